@@ -1,0 +1,1 @@
+"""PAI Megatron Cookbook helper package."""

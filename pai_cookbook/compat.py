@@ -1,0 +1,347 @@
+"""Megatron-Core 0.16 on a machine without CUDA: the cookbook's one compatibility layer.
+
+Megatron-Core assumes CUDA in a handful of places. On a CPU-only machine each of them fails (or, in
+one case, silently computes the wrong loss). `apply()` patches around each of them, once per
+process, before any model is built; where CUDA is present it does nothing. Megatron-Core's own files
+are never edited: every patch rebinds a name from outside, in the spirit of Pai-Megatron-Patch.
+
+Each patch is a named entry of `PATCHES` with the symptom it removes. `tests/test_compat.py` runs a
+small real scenario per patch with that patch skipped (PAI_COOKBOOK_COMPAT_SKIP=name) and shows it
+fails, then with it applied and shows it works. docs/megatron-core-on-cpu.md has the measurements.
+
+What is *not* patched, because it is a choice rather than a bug: grouped GEMM for experts needs
+CUDA, so `pai_cookbook.model` picks Megatron-Core's SequentialMLP (a per-expert loop of matmuls, the
+same function) on CPU; the flex token dispatcher needs DeepEP and is rejected by config validation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+SKIP_ENV = "PAI_COOKBOOK_COMPAT_SKIP"
+"""Comma-separated patch names to leave out: a diagnostic switch used by the tests."""
+
+_applied: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    symptom: str
+    """What happens on a CPU-only machine without this patch."""
+    apply: Callable[[], None]
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int):
+        return True  # a bare index means a CUDA ordinal in torch's API
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+def _rebind(module: types.ModuleType, name: str, new: Any) -> None:
+    """Replace `module.name`, and every `from module import name` copy inside megatron.*."""
+    old = getattr(module, name)
+    setattr(module, name, new)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("megatron.") and mod is not module and getattr(mod, name, None) is old:
+            setattr(mod, name, new)
+
+
+# --- 1. torch.cuda.current_device() used as a device --------------------------------------------
+def _patch_current_device() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+# --- 2. literal device="cuda" in module code ------------------------------------------------------
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint")
+# Megatron-Core modules that create tensors with a literal device="cuda" on the CPU training path.
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.utils",
+)
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch` as seen by one Megatron module: tensor factories map device='cuda' to the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, self._cpu_factory(getattr(torch, name)))
+
+    @staticmethod
+    def _cpu_factory(factory: Callable) -> Callable:
+        @functools.wraps(factory)
+        def wrapper(*args, **kwargs):
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+        return wrapper
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _patch_cuda_literals() -> None:
+    import importlib
+
+    cpu_torch = _CpuTorch()
+    for name in _CUDA_LITERAL_MODULES:
+        importlib.import_module(name).torch = cpu_torch
+
+
+# --- 3. the model-parallel RNG tracker ------------------------------------------------------------
+def _patch_rng_tracker() -> None:
+    """Map the CUDA RNG API onto the CPU generator, so seeds really take effect.
+
+    On a CPU machine every random op (weight init, dropout) draws from the CPU default generator, so
+    that is the generator the tracker must fork: `add(name, seed)` captures the CPU state seeded with
+    `seed`, `fork(name)` swaps it in and out. TP ranks then get distinct, reproducible streams.
+    Without this, torch.cuda.manual_seed is queued lazily and never runs.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(*args, **kwargs) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+        torch.set_rng_state(new_state)
+
+    def seed(value: int) -> None:
+        # The generator itself, not torch.manual_seed: that one calls torch.cuda.manual_seed_all.
+        torch.default_generator.manual_seed(int(value))
+
+    for namespace in (torch.cuda, torch.cuda.random):
+        namespace.get_rng_state = get_state
+        namespace.set_rng_state = set_state
+        namespace.manual_seed = seed
+        namespace.manual_seed_all = seed
+    _rebind(mrandom, "_get_cuda_rng_state", get_state)
+    _rebind(mrandom, "_set_cuda_rng_state", set_state)
+
+
+# --- 4. streams, events and synchronize ---------------------------------------------------------
+class _NullStream:
+    """A CUDA stream/event stand-in: CPU ops run in program order, so waits and syncs are no-ops."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Callable:
+        return lambda *args, **kwargs: None
+
+    def query(self) -> bool:
+        return True
+
+
+def _patch_streams() -> None:
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullStream
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = _NullStream
+    torch.cuda.default_stream = _NullStream
+    torch.cuda.stream = _NullStream
+
+
+# --- 5. optimizers that identify fp32 params by CUDA type name ------------------------------------
+@contextlib.contextmanager
+def _cuda_type_names():
+    """While active, `t.type()` reports 'torch.cuda.FloatTensor' for a CPU float tensor, etc."""
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = original(self)
+        return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _patch_type_names() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    cls = optimizer.Float16OptimizerWithFloat16Params
+    cls.__init__ = _with_cuda_type_names(cls.__init__)
+    dist = distrib_optimizer.DistributedOptimizer
+    build = dist._build_model_and_main_param_groups.__func__
+    dist._build_model_and_main_param_groups = classmethod(_with_cuda_type_names(build))
+    _rebind(clip_grads, "clip_grad_by_total_norm_fp32",
+            _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32))
+
+
+# --- 6. MoE router GEMM references a TE symbol that is missing without TE -------------------------
+def _patch_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # the router then takes its torch matmul path
+
+
+# --- 7. alltoall token dispatcher passes split sizes as tensors -----------------------------------
+def _patch_alltoall_split_sizes() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    forward = mappings._AllToAll.forward
+
+    def as_list(sizes):
+        return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+
+    def forward_with_lists(ctx, group, input, output_split_sizes, input_split_sizes):
+        # gloo's all_to_all_single takes Python lists of sizes (NCCL tolerates tensors).
+        return forward(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes))
+
+    mappings._AllToAll.forward = staticmethod(forward_with_lists)
+
+
+# --- 8. torch norms refuse sequence parallelism ----------------------------------------------------
+def _patch_torch_norm_sequence_parallel() -> None:
+    """Let the local spec's norms run under sequence parallelism, with correct gradients.
+
+    A norm's weight is replicated over the TP group while each rank sees a different slice of the
+    sequence, so its gradient must be summed over TP. Megatron-Core does that for parameters marked
+    `sequence_parallel = True`, which is what TE's norms do and what this patch does.
+    """
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        config.sequence_parallel = False  # lift the assert for the duration of the build only
+        try:
+            norm = original_new(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+# --- 9. selective recompute reaches for TE's FP8 state ----------------------------------------------
+class _NoFP8:
+    """Without Transformer Engine FP8 is never enabled; answers the two questions recompute asks."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
+def _patch_recompute_fp8_state() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not hasattr(mrandom, "FP8GlobalStateManager"):
+        mrandom.FP8GlobalStateManager = _NoFP8
+
+
+# --- 10. batched p2p on gloo: silently wrong interleaved-pipeline loss -----------------------------
+def _patch_gloo_p2p() -> None:
+    """Send pipeline activations with individual isend/irecv on gloo.
+
+    Measured: virtual pipeline (interleaved) with batched isend/irecv over gloo raises nothing and
+    gives a different loss from PP=1 (5.5695 vs 5.5665); unbatched ops match to 6 decimals.
+    """
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    batched, single = p2p._batched_p2p_ops, p2p._p2p_ops
+
+    def p2p_ops(*, group, **kwargs):
+        if torch.distributed.get_backend(group) == "gloo":
+            # The batched caller collects requests in a list; the unbatched ops return them by name.
+            return list(single(group=group, **kwargs).values())
+        return batched(group=group, **kwargs)
+
+    p2p._batched_p2p_ops = p2p_ops
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("current_device", "AssertionError: Torch not compiled with CUDA enabled (rotary embedding, layers)",
+          _patch_current_device),
+    Patch("cuda_literals", "CUDA init error from device='cuda' literals in schedules, optimizer, clip_grads, "
+          "masks", _patch_cuda_literals),
+    Patch("rng_tracker", "'cuda rng state model-parallel-rng is not added'; seeds never reach a generator",
+          _patch_rng_tracker),
+    Patch("streams", "AttributeError / CUDA init errors from torch.cuda.Stream/Event/synchronize",
+          _patch_streams),
+    Patch("cuda_type_names", "optimizer asserts param.type() == 'torch.cuda.FloatTensor'",
+          _patch_type_names),
+    Patch("te_general_gemm", "NameError: te_general_gemm in the MoE router without Transformer Engine",
+          _patch_te_general_gemm),
+    Patch("alltoall_split_sizes", "TypeError in all_to_all_single: gloo wants split sizes as lists",
+          _patch_alltoall_split_sizes),
+    Patch("torch_norm_sequence_parallel", "AssertionError: sequence parallel not supported by torch LayerNorm",
+          _patch_torch_norm_sequence_parallel),
+    Patch("recompute_fp8_state", "NameError: FP8GlobalStateManager in selective recompute without TE",
+          _patch_recompute_fp8_state),
+    Patch("gloo_p2p", "no error, silently wrong loss with interleaved pipeline and batched p2p on gloo",
+          _patch_gloo_p2p),
+)
+
+
+def apply(skip: tuple[str, ...] | None = None) -> list[str]:
+    """Apply every patch once per process; a no-op (returns []) when CUDA is available.
+
+    Args:
+        skip: patch names to leave out; defaults to the PAI_COOKBOOK_COMPAT_SKIP variable.
+    Returns:
+        The names of the patches applied in this process.
+    """
+    global _applied
+    if _applied is not None:
+        return _applied
+    if torch.cuda.is_available():
+        _applied = []
+        return _applied
+    if skip is None:
+        skip = tuple(s for s in os.environ.get(SKIP_ENV, "").split(",") if s)
+    unknown = set(skip) - {p.name for p in PATCHES}
+    if unknown:
+        raise ValueError(f"unknown compat patch(es) {sorted(unknown)}; known: {[p.name for p in PATCHES]}")
+    _applied = []
+    for patch in PATCHES:
+        if patch.name not in skip:
+            patch.apply()
+            _applied.append(patch.name)
+    return _applied

@@ -1,0 +1,405 @@
+"""Run configuration: one dataclass per concern, validated before any worker starts.
+
+Every field that the seed project's launch scripts took as a positional shell argument is a named,
+documented field here. `RunConfig` bundles the concerns, travels to the workers as JSON
+(`to_json` / `from_json`), and `RunConfig.validate(world_size, device)` checks the cross-field rules
+(parallel layout against model shape and world size, precision against the hardware) so that a bad
+layout fails in the notebook cell, with the fix, and not minutes later inside rank 3's log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+DType = Literal["fp32", "bf16", "fp16"]
+FP8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+# Hopper (sm_90) is the first architecture with FP8 tensor cores.
+FP8_MIN_COMPUTE_CAPABILITY = (9, 0)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the value and the fix."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value is None or value > 0, f"{type(obj).__name__}.{name} must be > 0, got {value}.")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer, in Megatron-Core's vocabulary.
+
+    `pai_cookbook.families` fills this from a Hugging Face `config.json`; the defaults describe a
+    Llama-style model (RMSNorm, SwiGLU, rotary, no biases, untied embeddings).
+    """
+
+    family: str = "llama"
+    """Registry name of the model family (see `pai_cookbook.families.FAMILIES`)."""
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Model width."""
+    ffn_hidden_size: int
+    """Width of the dense MLP (per branch of SwiGLU)."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means multi-head attention (= heads)."""
+    kv_channels: int | None = None
+    """Head dimension; None means hidden_size / num_attention_heads."""
+    vocab_size: int
+    """Tokenizer vocabulary size, before Megatron's padding (see `padded_vocab_size`)."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this x TP, so every TP shard is GEMM-friendly."""
+    max_position_embeddings: int
+    """Longest sequence the position encoding is configured for."""
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    """Rotary (Llama, Qwen, Mistral) or learned absolute positions (GPT-2)."""
+    rotary_base: float = 10000.0
+    """Rotary base theta (Llama 2: 1e4, Llama 3: 5e5, Qwen2: 1e6)."""
+    rotary_percent: float = 1.0
+    """Fraction of the head dimension that rotates."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1-style rotary frequency scaling factor; None disables it."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    """MLP activation; swiglu means gated SiLU with gate and up projections."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection only (Qwen2)."""
+    add_bias_linear: bool = False
+    """Bias on every linear layer (GPT-2 style)."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head (Qwen3)."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer (small Qwen2 models)."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    """Std of the normal weight init for models trained from scratch."""
+
+    num_experts: int | None = None
+    """Routed experts per MoE layer; None means a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of one routed expert; None means ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of the always-on shared expert (Qwen2-MoE); None means no shared expert."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert by a learned sigmoid gate (Qwen2-MoE)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k, without renormalising (Qwen2-MoE norm_topk_prob=False)."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_layer_freq: int = 1
+    """Every n-th layer is MoE (1: all layers, 2: every other layer as GShard did)."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss weight (Mixtral: 0.02)."""
+    moe_z_loss_coeff: float | None = None
+    """Router z-loss weight (ST-MoE: 1e-3); None disables it."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """How tokens reach experts across EP ranks; flex needs DeepEP (GPU only)."""
+    moe_grouped_gemm: bool | None = None
+    """Grouped GEMM for experts; None picks it on GPU and a per-expert loop on CPU."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups", "kv_channels", "vocab_size", "max_position_embeddings",
+                  "rotary_base", "num_experts", "moe_router_topk", "moe_layer_freq")
+        _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                 f"{self.num_attention_heads}; set kv_channels (head dim) explicitly or change one of them.")
+        groups = self.query_groups
+        _require(self.num_attention_heads % groups == 0,
+                 f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
+                 f"{groups}; grouped-query attention needs whole groups of query heads per KV head.")
+        if self.num_experts is not None:
+            _require(self.moe_router_topk <= self.num_experts,
+                     f"moe_router_topk {self.moe_router_topk} exceeds num_experts {self.num_experts}; "
+                     f"a token cannot be routed to more experts than exist.")
+            _require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_router_topk == 1,
+                     f"sinkhorn load balancing supports top-1 routing only, got moe_router_topk "
+                     f"{self.moe_router_topk}; use aux_loss or set moe_router_topk=1.")
+        if self.position_embedding_type == "rope":
+            # Rotary's slowest component turns once every 2*pi*base tokens: past that, distant
+            # positions alias onto near ones and the model cannot tell them apart.
+            longest_wavelength = 2 * math.pi * self.rotary_base
+            _require(self.max_position_embeddings <= longest_wavelength,
+                     f"max_position_embeddings {self.max_position_embeddings} exceeds rotary's longest "
+                     f"wavelength 2*pi*rotary_base = {longest_wavelength:.0f} tokens (rotary_base "
+                     f"{self.rotary_base:g}); raise rotary_base (Llama 3 uses 500000) or shorten the context.")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Embedding rows after padding to a multiple of make_vocab_size_divisible_by x TP."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the model is split over processes. Data parallelism is what is left of the world size."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: each layer's matrices split over this many ranks (within a node: it all-reduces per layer)."""
+    pipeline_model_parallel_size: int = 1
+    """PP: layers split into this many consecutive stages."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Interleaved schedule: model chunks per pipeline rank (needs PP > 1); None disables it."""
+    expert_model_parallel_size: int = 1
+    """EP: routed experts split over this many ranks."""
+    expert_tensor_parallel_size: int | None = None
+    """Expert TP; None means the same as tensor_model_parallel_size."""
+    sequence_parallel: bool = False
+    """Split layer norms and dropout along the sequence over the TP group (needs TP > 1)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                  "expert_tensor_parallel_size")
+        _require(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+                 "sequence_parallel=True needs tensor_model_parallel_size > 1 (it splits activations over "
+                 "the TP group); set sequence_parallel=False or raise TP.")
+        _require(self.virtual_pipeline_model_parallel_size is None or self.pipeline_model_parallel_size > 1,
+                 f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs "
+                 f"pipeline_model_parallel_size > 1, got {self.pipeline_model_parallel_size}; "
+                 f"set it to None or raise PP.")
+        # Measured on megatron-core 0.16.1: with EP=1 and expert-TP != TP the expert gradients are
+        # all-reduced across different expert shards, so they are silently wrong.
+        _require(self.expert_model_parallel_size > 1 or self.expert_tp == self.tensor_model_parallel_size,
+                 f"expert_tensor_parallel_size {self.expert_tp} != tensor_model_parallel_size "
+                 f"{self.tensor_model_parallel_size} with expert_model_parallel_size 1 gives wrong expert "
+                 f"gradients in Megatron-Core; use expert_model_parallel_size > 1 or set "
+                 f"expert_tensor_parallel_size equal to TP.")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world_size / (TP x PP); raises if it does not divide."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        _require(world_size % (tp * pp) == 0,
+                 f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "
+                 f"use a number of processes that is a multiple of {tp * pp}.")
+        return world_size // (tp * pp)
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Numeric formats for parameters, activations and GEMMs."""
+
+    dtype: DType = "fp32"
+    """Parameter and activation dtype; bf16 keeps fp32 master weights in the optimizer."""
+    fp8: FP8Recipe | None = None
+    """FP8 GEMM scaling recipe (Transformer Engine, Hopper or newer); None disables FP8."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in typing.get_args(DType),
+                 f"dtype {self.dtype!r} is not one of {typing.get_args(DType)}.")
+        _require(self.fp8 is None or self.fp8 in typing.get_args(FP8Recipe),
+                 f"fp8 recipe {self.fp8!r} is not one of {typing.get_args(FP8Recipe)} (or None).")
+        _require(self.fp8 is None or self.dtype == "bf16",
+                 f"fp8={self.fp8!r} runs the non-GEMM parts in bf16; set dtype='bf16' (got {self.dtype!r}).")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW with warmup and decay to a minimum learning rate."""
+
+    lr: float = 3e-4
+    """Peak learning rate after warmup."""
+    min_lr: float = 3e-5
+    """Floor the schedule decays to."""
+    lr_warmup_iters: int = 0
+    """Linear warmup steps from 0 to lr."""
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr")
+        _require(0 <= self.min_lr <= self.lr,
+                 f"min_lr {self.min_lr} must lie in [0, lr={self.lr}]; the schedule decays from lr to min_lr.")
+        _require(self.lr_warmup_iters >= 0, f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}.")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """What each step reads."""
+
+    seq_length: int = 128
+    """Tokens per sample."""
+    micro_batch_size: int = 2
+    """Samples per forward/backward on one data-parallel rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all DP ranks; accumulation = global / (micro x DP)."""
+    source: Literal["synthetic"] = "synthetic"
+    """'synthetic': seeded arithmetic progressions (learnable), the same on every layout: for smoke tests
+    and parity checks. Tokenized corpora arrive with the data-preparation notebook."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "seq_length", "micro_batch_size", "global_batch_size")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where the final weights go (Megatron-Core distributed checkpoint, torch_dist format)."""
+
+    save_dir: str | None = None
+    """Folder to save into at the end of training; None skips saving."""
+    overwrite: bool = False
+    """Replace a checkpoint already in save_dir instead of refusing."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one training run needs; serialised to JSON for the torchrun workers."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train_iters: int = 10
+    """Optimizer steps."""
+    seed: int = 1234
+    """Seeds weights (same on every layout: weights are initialised whole, then split) and data."""
+    log_interval: int = 1
+    """Steps between progress reports."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "train_iters", "log_interval")
+        _require(self.optimizer.lr_warmup_iters <= self.train_iters,
+                 f"lr_warmup_iters {self.optimizer.lr_warmup_iters} exceeds train_iters {self.train_iters}.")
+        _require(self.data.seq_length <= self.model.max_position_embeddings,
+                 f"seq_length {self.data.seq_length} exceeds the model's max_position_embeddings "
+                 f"{self.model.max_position_embeddings}; shorten seq_length.")
+
+    def validate(self, world_size: int, device: Any = None) -> None:
+        """Check the layout against the model and the world size, and precision against the device.
+
+        Args:
+            world_size: total processes (nodes x processes per node).
+            device: a `runtime.DeviceInfo`; None skips the hardware checks.
+        Raises:
+            ConfigError: naming the offending value and the fix.
+        """
+        m, p = self.model, self.parallel
+        tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
+            p.virtual_pipeline_model_parallel_size
+        dp = p.data_parallel_size(world_size)
+        _require(m.num_attention_heads % tp == 0,
+                 f"num_attention_heads {m.num_attention_heads} is not divisible by TP={tp}; "
+                 f"each TP rank needs whole heads. Use TP in {_divisors(m.num_attention_heads)}.")
+        _require(m.query_groups % tp == 0,
+                 f"num_query_groups {m.query_groups} is not divisible by TP={tp}; each TP rank needs whole "
+                 f"KV heads. Use TP in {_divisors(m.query_groups)}.")
+        _require(m.ffn_hidden_size % tp == 0,
+                 f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP={tp}.")
+        stages = pp * (vpp or 1)
+        _require(m.num_layers % stages == 0,
+                 f"num_layers {m.num_layers} is not divisible by PP x virtual PP = {pp} x {vpp or 1}; "
+                 f"each pipeline chunk needs the same number of layers. Use PP x VPP in "
+                 f"{_divisors(m.num_layers)}.")
+        if m.is_moe:
+            ep, etp = p.expert_model_parallel_size, p.expert_tp
+            _require(m.num_experts % ep == 0,
+                     f"num_experts {m.num_experts} is not divisible by EP={ep}; each EP rank holds "
+                     f"num_experts / EP whole experts. Use EP in {_divisors(m.num_experts)}.")
+            _require(world_size % (ep * etp * pp) == 0,
+                     f"world size {world_size} is not divisible by EP x expert-TP x PP = {ep} x {etp} x {pp}.")
+            _require(m.moe_token_dispatcher_type != "flex" or getattr(device, "is_cuda", True),
+                     "moe_token_dispatcher_type='flex' needs DeepEP on GPUs; use 'alltoall' on this machine.")
+            _require(not (m.moe_grouped_gemm and device is not None and not device.is_cuda),
+                     "moe_grouped_gemm=True needs CUDA (grouped_gemm or Transformer Engine); set it to None "
+                     "to run experts as a per-expert loop on CPU.")
+        elif p.expert_model_parallel_size > 1:
+            raise ConfigError(f"expert_model_parallel_size {p.expert_model_parallel_size} is set for a dense "
+                              f"model (num_experts=None); set it to 1.")
+        micro_x_dp = self.data.micro_batch_size * dp
+        _require(self.data.global_batch_size % micro_x_dp == 0,
+                 f"global_batch_size {self.data.global_batch_size} is not divisible by micro_batch_size x DP = "
+                 f"{self.data.micro_batch_size} x {dp} = {micro_x_dp}; use a multiple of {micro_x_dp}.")
+        if vpp is not None:
+            micro_batches = self.data.global_batch_size // micro_x_dp
+            _require(micro_batches % pp == 0,
+                     f"the interleaved schedule needs micro-batches per step ({micro_batches}) divisible by "
+                     f"PP={pp}; raise global_batch_size to a multiple of {micro_x_dp * pp}.")
+        if device is not None:
+            if self.precision.fp8 is not None:
+                cap = device.compute_capability
+                _require(device.is_cuda and cap is not None and cap >= FP8_MIN_COMPUTE_CAPABILITY,
+                         f"fp8={self.precision.fp8!r} needs FP8 tensor cores (compute capability >= 9.0, "
+                         f"Hopper), found {device.name}; on this machine run dtype='bf16' with fp8=None.")
+            _require(self.precision.dtype != "fp16" or device.is_cuda,
+                     "dtype='fp16' needs a GPU (CPU kernels lack half-precision GEMMs); use 'bf16' or 'fp32'.")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        return _from_dict(cls, json.loads(text))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        return cls.from_json(Path(path).read_text())
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Rebuild a (nested) config dataclass from `dataclasses.asdict` output; unknown keys are errors."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    _require(not unknown, f"{cls.__name__} has no field(s) {sorted(unknown)}; known: {sorted(names)}.")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        kwargs[key] = _from_dict(hint, value) if dataclasses.is_dataclass(hint) else value
+    return cls(**kwargs)

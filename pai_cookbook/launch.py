@@ -1,0 +1,249 @@
+"""Run a worker module under torchrun from a notebook cell, a script or a cluster job.
+
+`launch("pai_cookbook.train", config, nproc_per_node=2)`:
+- validates the config against the world size and the device before any process starts;
+- builds a torchrun argv list (never a shell string): a free local port on one machine, the scheduler's
+  MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK on a multi-node job (`runtime.detect_launch_env`);
+- streams rank 0's output live (its progress events drive a tqdm bar, which renders as a widget in
+  Jupyter and as text under papermill), keeps every rank's stdout/stderr in files under the run folder;
+- returns rank 0's result dict; on a non-zero exit raises `WorkerError` with the failing rank and the
+  tail of its log; on KeyboardInterrupt (the notebook's stop button) or a timeout terminates torchrun
+  and every worker below it, so no process is left behind.
+
+CLI for batch jobs: `python -m pai_cookbook.launch MODULE --config run.json --nproc-per-node 8`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import psutil
+
+from pai_cookbook import runtime, worker
+from pai_cookbook.config import RunConfig
+
+LOG_TAIL_LINES = 40
+TERMINATE_GRACE_S = 5.0
+"""Seconds workers get to exit after SIGTERM before SIGKILL."""
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*exitcode\s*:\s*(-?\d+)",
+                         re.S)
+_RANK_PREFIX = re.compile(r"^\[default\d+\]:")
+
+
+class WorkerError(RuntimeError):
+    """A worker exited non-zero; carries the failing rank and the tail of its log."""
+
+    def __init__(self, rank: int | None, exitcode: int | None, log_tail: str, log_dir: Path):
+        self.rank, self.exitcode, self.log_tail, self.log_dir = rank, exitcode, log_tail, log_dir
+        who = f"rank {rank}" if rank is not None else "a worker"
+        super().__init__(f"{who} failed (exit code {exitcode}); logs in {log_dir}\n"
+                         f"--- last lines of {who}'s log ---\n{log_tail}")
+
+
+def torchrun_argv(module: str, args: Sequence[str], nproc_per_node: int, env: runtime.LaunchEnv,
+                  log_dir: Path) -> list[str]:
+    """The torchrun command line: rank 0 teed to our stdout, every rank's output kept in log_dir."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(env.nnodes), "--node-rank", str(env.node_rank),
+        "--nproc-per-node", str(nproc_per_node),
+        "--master-addr", env.master_addr, "--master-port", str(env.master_port),
+        "--max-restarts", "0",
+        "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
+        "-m", module, *args,
+    ]
+
+
+def _threads_per_worker(nproc_per_node: int) -> int:
+    # 2 cores / 2 workers = 1 thread each: oversubscribed BLAS threads make CPU runs several times slower.
+    return max(1, (os.cpu_count() or 1) // nproc_per_node)
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM torchrun and all its descendants, SIGKILL whatever is still alive after the grace."""
+    try:
+        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        with _ignore_gone():
+            p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(tree, timeout=TERMINATE_GRACE_S)
+    for p in alive:
+        with _ignore_gone():
+            p.kill()
+    psutil.wait_procs(alive, timeout=TERMINATE_GRACE_S)
+    proc.wait()
+
+
+class _ignore_gone:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return exc_type is psutil.NoSuchProcess
+
+
+def _rank_log_tail(log_dir: Path, local_rank: int | None, lines: int = LOG_TAIL_LINES) -> str:
+    """Tail of one local rank's stderr+stdout as torchrun saved them (newest attempt)."""
+    candidates = sorted(log_dir.glob(f"*/attempt_*/{local_rank if local_rank is not None else '*'}"),
+                        key=lambda p: p.stat().st_mtime)
+    chunks = []
+    for folder in candidates[-1:]:
+        for name in ("stderr.log", "stdout.log"):
+            path = folder / name
+            if path.exists() and path.stat().st_size:
+                chunks.append(f"[{name}]\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+    return "\n".join(chunks) or "(the rank wrote no log)"
+
+
+class _Progress:
+    """A tqdm bar driven by the workers' progress events (created on the first one)."""
+
+    def __init__(self, desc: str, enabled: bool):
+        self.desc, self.enabled, self.bar, self.events = desc, enabled, None, []
+
+    def update(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if not self.enabled or event.get("event") != "progress":
+            return
+        if self.bar is None:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=event["total"], desc=self.desc, file=sys.stdout)
+        self.bar.update(event["step"] - self.bar.n)
+        metrics = {k: v for k, v in event.items() if k not in ("event", "step", "total")}
+        self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in metrics.items()})
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _stream(proc: subprocess.Popen, on_line: Callable[[str], None]) -> None:
+    for raw in proc.stdout:
+        on_line(_RANK_PREFIX.sub("", raw.rstrip("\n")))
+
+
+def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int = 1,
+           args: Sequence[str] = (), run_dir: str | Path = "runs/latest", timeout_s: float | None = None,
+           show_progress: bool = True, echo: bool = True,
+           env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `python -m module [config.json] *args` under torchrun and return rank 0's result.
+
+    Args:
+        module: worker module with a `worker.entry` main (e.g. "pai_cookbook.train").
+        config: validated against the world size and device, then written to run_dir/config.json and
+            passed as the worker's first argument. None for workers that take only `args`.
+        nproc_per_node: processes on this machine (GPUs per node on a GPU machine).
+        args: further worker arguments.
+        run_dir: folder for config.json, result.json and logs/ (created; reused runs are overwritten).
+        timeout_s: terminate all workers and raise TimeoutError after this many seconds.
+        show_progress: drive a progress bar from the workers' progress events.
+        echo: print rank 0's ordinary output lines.
+        env: extra environment variables for the workers.
+    Returns:
+        The dict rank 0's main returned (empty if it returned None), plus "events": the progress and
+        metric events rank 0 reported, in order.
+    Raises:
+        ConfigError: the layout does not fit the model, world size or device (nothing was started).
+        WorkerError: a worker exited non-zero; names the rank and shows its log tail.
+        TimeoutError: timeout_s passed; every worker was terminated.
+        KeyboardInterrupt: re-raised after every worker was terminated.
+    """
+    launch_env = runtime.detect_launch_env()
+    device = runtime.detect_device()
+    if device.is_cuda and nproc_per_node > device.count:
+        raise ValueError(f"nproc_per_node={nproc_per_node} but this node has {device.count} GPU(s); "
+                         f"use at most {device.count} processes per node.")
+    run_dir = Path(run_dir).resolve()
+    log_dir = run_dir / "logs"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / worker.RESULT_FILE,):
+        stale.unlink(missing_ok=True)
+    argv_args = list(args)
+    if config is not None:
+        config.validate(launch_env.world_size(nproc_per_node), device)
+        argv_args = [str(config.save(run_dir / "config.json"))] + argv_args
+    argv = torchrun_argv(module, argv_args, nproc_per_node, launch_env, log_dir)
+
+    child_env = {**os.environ, **(env or {}), worker.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1"}
+    child_env.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc_per_node)))
+    progress = _Progress(desc=module.rsplit(".", 1)[-1], enabled=show_progress)
+    output: list[str] = []
+
+    def on_line(line: str) -> None:
+        if line.startswith(worker.PROGRESS_MARK):
+            progress.update(json.loads(line[len(worker.PROGRESS_MARK):]))
+            return
+        output.append(line)
+        if echo:
+            print(line, flush=True)
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
+                            start_new_session=True)  # own process group: a notebook interrupt reaches us only
+    reader = threading.Thread(target=_stream, args=(proc, on_line), daemon=True)
+    reader.start()
+    started = time.monotonic()
+    try:
+        while proc.poll() is None:
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                _terminate(proc)
+                raise TimeoutError(f"{module} ran past timeout_s={timeout_s}; all workers were terminated. "
+                                   f"Logs in {log_dir}")
+            time.sleep(0.1)
+    except BaseException:
+        _terminate(proc)
+        raise
+    finally:
+        reader.join(timeout=TERMINATE_GRACE_S)
+        progress.close()
+
+    if proc.returncode != 0:
+        match = _ROOT_CAUSE.search("\n".join(output))
+        rank, local_rank, code = (int(g) for g in match.groups()) if match else (None, None, proc.returncode)
+        raise WorkerError(rank, code, _rank_log_tail(log_dir, local_rank), log_dir)
+    result_path = run_dir / worker.RESULT_FILE
+    result = json.loads(result_path.read_text()) if result_path.exists() else {}
+    result["events"] = progress.events
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: exit 0 on success, 1 on a worker failure, 2 on a bad config; messages fit a cluster log."""
+    from pai_cookbook.config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m pai_cookbook.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("module", help="worker module, e.g. pai_cookbook.train")
+    parser.add_argument("--config", type=Path, help="RunConfig JSON")
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/latest"))
+    parser.add_argument("--timeout-s", type=float)
+    parser.add_argument("args", nargs="*", help="further worker arguments (after --)")
+    opts = parser.parse_args(argv)
+    try:
+        config = RunConfig.load(opts.config) if opts.config else None
+        result = launch(opts.module, config, nproc_per_node=opts.nproc_per_node, args=opts.args,
+                        run_dir=opts.run_dir, timeout_s=opts.timeout_s, show_progress=False)
+    except ConfigError as err:
+        print(f"pai_cookbook.launch: bad configuration: {err}", file=sys.stderr)
+        return 2
+    except (WorkerError, TimeoutError) as err:
+        print(f"pai_cookbook.launch: {err}", file=sys.stderr)
+        return 1
+    result.pop("events", None)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

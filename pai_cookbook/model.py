@@ -1,0 +1,186 @@
+"""Build Megatron-Core GPT models from the cookbook's configs (the `model_provider` step).
+
+The same function builds the CPU and the GPU model: the layer spec is Transformer Engine's when TE is
+importable on a CUDA machine, and Megatron-Core's local (pure PyTorch) spec otherwise. Weights are
+initialised whole on the CPU and then split (`use_cpu_initialization`), each layer from its own seeded
+stream, so one seed gives the same dense model at every TP/PP/virtual-PP layout: the basis of every
+"this layout matches single-process" check.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pai_cookbook.config import ModelConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.runtime import DeviceInfo
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(precision: PrecisionConfig) -> torch.dtype:
+    return _DTYPES[precision.dtype]
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+                       device: DeviceInfo):
+    """Translate the cookbook's configs into Megatron-Core's `TransformerConfig`.
+
+    Fused kernels that exist only as CUDA extensions (bias-activation, RoPE, gradient-accumulation
+    fusion) are switched on only where they exist; they change speed, not the function computed.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch_dtype(precision)
+    fused = device.is_cuda and device.has_transformer_engine
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        kv_channels=model.head_dim,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.activation == "swiglu",
+        activation_func=F.silu if model.activation == "swiglu" else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision.dtype == "bf16",
+        fp16=precision.dtype == "fp16",
+        use_cpu_initialization=True,
+        bias_activation_fusion=fused and model.activation == "swiglu",
+        apply_rope_fusion=fused,
+        gradient_accumulation_fusion=fused,
+        masked_softmax_fusion=fused,
+        persist_layer_norm=fused,
+        bias_dropout_fusion=fused,
+        deallocate_pipeline_outputs=True,
+    )
+    if model.is_moe:
+        kwargs.update(
+            num_moe_experts=model.num_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=model.moe_shared_expert_gate,
+            moe_router_pre_softmax=model.moe_router_pre_softmax,
+            moe_router_score_function=model.moe_router_score_function,
+            moe_layer_freq=model.moe_layer_freq,
+            moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_z_loss_coeff=model.moe_z_loss_coeff,
+            moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+            moe_grouped_gemm=_grouped_gemm(model, device),
+            moe_permute_fusion=fused,
+        )
+    if precision.fp8 is not None:
+        kwargs.update(fp8="hybrid", fp8_recipe=precision.fp8)
+    return TransformerConfig(**kwargs)
+
+
+def _grouped_gemm(model: ModelConfig, device: DeviceInfo) -> bool:
+    # Grouped GEMM needs TE (or the grouped_gemm package) on CUDA; on CPU Megatron-Core's SequentialMLP
+    # runs the experts as a loop of ordinary matmuls, which computes the same function.
+    if model.moe_grouped_gemm is None:
+        return device.is_cuda and device.has_transformer_engine
+    return model.moe_grouped_gemm
+
+
+def _seeded_layer_class():
+    """TransformerLayer whose weights are drawn from a stream seeded by its *global* layer number.
+
+    With CPU initialisation each pipeline stage would otherwise draw its layers from the start of one
+    RNG stream, so layer 3 would get different weights at PP=1 and PP=2. Seeding each layer from
+    (init_seed, global layer number) makes a seed mean one model at every TP/PP/virtual-PP layout.
+    """
+    from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+
+    class SeededTransformerLayer(TransformerLayer):
+        def __init__(self, config, submodules, layer_number: int = 1, *args, vp_stage=None, **kwargs):
+            global_number = layer_number + get_transformer_layer_offset(config, vp_stage)
+            torch.random.default_generator.manual_seed(config.init_seed * _LAYER_SEED_STRIDE + global_number)
+            super().__init__(config, submodules, layer_number, *args, vp_stage=vp_stage, **kwargs)
+
+    return SeededTransformerLayer
+
+
+_LAYER_SEED_STRIDE = 100_003  # a prime above any layer count: distinct (seed, layer) -> distinct streams
+
+
+def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | None = None):
+    """Transformer Engine spec on CUDA with TE, Megatron-Core's local spec otherwise.
+
+    Layers are swapped for `SeededTransformerLayer` (same parameters and forward, seeded init).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    use_te = device.is_cuda and device.has_transformer_engine
+    seeded = _seeded_layer_class()
+    if model.is_moe:
+        # The block spec places MoE and dense layers by moe_layer_freq.
+        block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                 normalization=model.normalization, vp_stage=vp_stage)
+        for spec in block.layer_specs:
+            spec.module = seeded
+        return block
+    if use_te:
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    else:
+        spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
+    spec.module = seeded
+    return spec
+
+
+def build_model(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+                device: DeviceInfo, seed: int) -> list[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage) on its device.
+
+    Must run inside a worker after `runtime.init_distributed`.
+
+    Returns:
+        A list of `GPTModel` chunks (length 1 unless virtual pipeline parallelism is on).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(model, parallel, precision, device)
+    config.init_seed = seed  # read by SeededTransformerLayer
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        # Embedding and output layer draw from here; layers reseed themselves (SeededTransformerLayer),
+        # so what follows the last layer is the same stream at every layout.
+        torch.random.default_generator.manual_seed(seed)
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(model, config, device, vp_stage),
+            vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type=model.position_embedding_type,
+            rotary_percent=model.rotary_percent,
+            rotary_base=int(model.rotary_base),
+            rope_scaling=model.rope_scaling_factor is not None,
+            rope_scaling_factor=model.rope_scaling_factor or 8.0,
+            vp_stage=vp_stage,
+        )
+        if device.is_cuda:
+            gpt.cuda(torch.cuda.current_device())
+        chunks.append(gpt)
+    return chunks
+

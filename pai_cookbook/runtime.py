@@ -1,0 +1,193 @@
+"""Where the cookbook runs: device, communication backend, launch environment, distributed setup.
+
+Two questions are answered here and nowhere else:
+- *Which hardware path?* CUDA present -> NCCL, Transformer Engine when importable, bf16/FP8 where the
+  GPU has them. No CUDA -> gloo and Megatron-Core's local (pure PyTorch) layers, with the CPU
+  compatibility layer (`pai_cookbook.compat`) applied once before any model is built.
+- *Which launch environment?* A single machine (a notebook in PAI-DSW, a laptop, CI) gets a free local
+  rendezvous port. A multi-node job (PAI-DLC and other schedulers) is recognised by the scheduler's
+  MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, where WORLD_SIZE counts *nodes* and RANK is the node
+  index (the convention of PAI-DLC PyTorch jobs and of the seed project's launch scripts).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import torch
+
+# Scheduler variables of a multi-node job (node-level: WORLD_SIZE = nodes, RANK = node index).
+SCHEDULER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+DEFAULT_MASTER_PORT = 29500
+DIST_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The accelerator this process would use."""
+
+    is_cuda: bool
+    name: str
+    count: int
+    """GPUs visible to this process (0 on CPU)."""
+    compute_capability: tuple[int, int] | None
+    backend: str
+    """torch.distributed backend: nccl on CUDA, gloo on CPU."""
+    has_transformer_engine: bool
+    has_flash_attn: bool
+
+    @property
+    def supports_bf16(self) -> bool:
+        return not self.is_cuda or (self.compute_capability or (0, 0)) >= (8, 0)
+
+    @property
+    def supports_fp8(self) -> bool:
+        return self.is_cuda and self.has_transformer_engine and (self.compute_capability or (0, 0)) >= (9, 0)
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def detect_device() -> DeviceInfo:
+    """Describe the local accelerator without initialising a process group."""
+    if torch.cuda.is_available():
+        return DeviceInfo(
+            is_cuda=True,
+            name=torch.cuda.get_device_name(0),
+            count=torch.cuda.device_count(),
+            compute_capability=torch.cuda.get_device_capability(0),
+            backend="nccl",
+            has_transformer_engine=_importable("transformer_engine"),
+            has_flash_attn=_importable("flash_attn"),
+        )
+    return DeviceInfo(
+        is_cuda=False, name=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        count=0, compute_capability=None, backend="gloo",
+        has_transformer_engine=False, has_flash_attn=False,
+    )
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where the torchrun rendezvous happens and how many processes take part."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    multi_node: bool
+    """True when a scheduler provided the rendezvous (MASTER_ADDR and friends)."""
+
+    def world_size(self, nproc_per_node: int) -> int:
+        return self.nnodes * nproc_per_node
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read the scheduler's rendezvous variables, or make a single-machine rendezvous.
+
+    Inside a torchrun worker (LOCAL_RANK set) WORLD_SIZE and RANK are process-level, not node-level,
+    so they are not read as a scheduler's: a worker that launches its own sub-job stays on one machine.
+
+    Raises:
+        ValueError: when the scheduler variables are partial or malformed.
+    """
+    env = os.environ if environ is None else environ
+    if "MASTER_ADDR" not in env or "LOCAL_RANK" in env:
+        return LaunchEnv(nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=free_port(),
+                         multi_node=False)
+    missing = [name for name in SCHEDULER_VARS[2:] if name not in env]
+    if missing:
+        raise ValueError(f"MASTER_ADDR is set ({env['MASTER_ADDR']}) but {missing} are not: a multi-node job "
+                         f"needs WORLD_SIZE (number of nodes) and RANK (this node's index). Set them, or unset "
+                         f"MASTER_ADDR to run on this machine alone.")
+    try:
+        nnodes, node_rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+        port = int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT))
+    except ValueError as err:
+        raise ValueError(f"scheduler variables must be integers: WORLD_SIZE={env['WORLD_SIZE']!r}, "
+                         f"RANK={env['RANK']!r}, MASTER_PORT={env.get('MASTER_PORT')!r}") from err
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"RANK {node_rank} is outside [0, WORLD_SIZE={nnodes}); the scheduler's node index "
+                         f"must be smaller than its node count.")
+    return LaunchEnv(nnodes=nnodes, node_rank=node_rank, master_addr=env["MASTER_ADDR"], master_port=port,
+                     multi_node=nnodes > 1)
+
+
+def init_distributed(parallel: Any, seed: int) -> DeviceInfo:
+    """Join the torchrun process group and build Megatron-Core's parallel state (inside a worker).
+
+    Args:
+        parallel: a `config.ParallelConfig`.
+        seed: base seed; Megatron-Core derives distinct tensor-parallel streams from it.
+    Returns:
+        The device this rank runs on.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    device = detect_device()
+    if not device.is_cuda:
+        from pai_cookbook import compat
+        compat.apply()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.is_cuda:
+        torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend=device.backend, timeout=DIST_TIMEOUT)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tp,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return device
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state and the process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def environment_report() -> dict[str, Any]:
+    """Versions, device and what will run here: the first thing a notebook shows."""
+    device = detect_device()
+    versions = {}
+    for dist in ("torch", "megatron-core", "transformers", "transformer-engine", "flash-attn"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    launch = detect_launch_env()
+    runs_here = {
+        "layers": "Transformer Engine" if device.has_transformer_engine else "Megatron-Core local (PyTorch)",
+        "backend": device.backend,
+        "bf16": device.supports_bf16,
+        "fp8 GEMMs": device.supports_fp8,
+        "flash attention": device.has_flash_attn,
+        "cpu compatibility layer": not device.is_cuda,
+    }
+    return {"python": platform.python_version(), "versions": versions, "device": asdict(device),
+            "launch": asdict(launch) | {"kind": "multi-node job" if launch.multi_node else "single machine"},
+            "runs_here": runs_here}

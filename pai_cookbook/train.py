@@ -1,0 +1,233 @@
+"""Pretraining worker: Megatron DDP + Megatron optimizer + Megatron's pipeline schedules.
+
+The steps are those of Megatron-LM's `run_simple_mcore_train_loop.py`, each a function here:
+`build` (model provider, DDP, optimizer, LR schedule), `forward_step`, `train_step`, `save`. The worker
+entry (`main`) reads the config, joins the process group, trains, and always tears down.
+
+From a notebook: `run(config, nproc_per_node=2)` checks what can be checked on this machine,
+launches the workers and returns the per-step losses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from pai_cookbook import launch as launcher
+from pai_cookbook import runtime, worker
+from pai_cookbook.config import ConfigError, RunConfig
+from pai_cookbook.model import build_model, torch_dtype, transformer_config
+from pai_cookbook.runtime import DeviceInfo
+
+PARTIAL_SUFFIX = ".partial"
+"""A checkpoint being written lives at save_dir + this suffix; only a finished one is renamed to save_dir."""
+CHECKPOINT_DONE = "done.json"
+"""Written last inside a checkpoint: a folder without it is never loaded."""
+
+
+MAX_SYNTHETIC_STRIDE = 8
+"""Synthetic samples are progressions a, a+b, a+2b, ... (mod vocab) with 1 <= b <= this."""
+
+
+def synthetic_batches(config: RunConfig, step: int, dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's micro-batches of one step: seeded, learnable sequences, identical on every layout.
+
+    Each sample is an arithmetic progression modulo the vocabulary with a random start and stride:
+    after two tokens the rest is predictable, so a model that learns drives the loss from ln(vocab)
+    towards zero. The global batch of step `step` is drawn whole from a generator seeded with
+    (seed, step), then split by DP rank and into micro-batches, so every layout sees the same samples.
+    """
+    data = config.data
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+    start = torch.randint(0, config.model.vocab_size, (data.global_batch_size, 1), generator=generator)
+    stride = torch.randint(1, MAX_SYNTHETIC_STRIDE + 1, (data.global_batch_size, 1), generator=generator)
+    tokens = (start + stride * torch.arange(data.seq_length + 1)) % config.model.vocab_size
+    per_rank = data.global_batch_size // dp_size
+    mine = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return [{"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous()}
+            for mb in mine.split(data.micro_batch_size)]
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    # clone: the schedule divides `loss` in place by the number of micro-batches after this returns.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+    """One micro-batch forward; returns per-token losses and the function that reduces them."""
+    device = next(model.parameters()).device
+    batch = next(data_iterator)
+    tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, attention_mask=None, labels=labels)
+    return output, partial(_loss_func, torch.ones_like(labels))
+
+
+def build(config: RunConfig, device: DeviceInfo):
+    """Model chunks wrapped in Megatron DDP, the Megatron optimizer and the LR schedule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = config.optimizer
+    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
+    tconfig = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               use_distributed_optimizer=opt.use_distributed_optimizer)
+    model = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk) for chunk in chunks]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+                        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+                        clip_grad=opt.clip_grad, bf16=config.precision.dtype == "bf16",
+                        params_dtype=torch_dtype(config.precision),
+                        use_distributed_optimizer=opt.use_distributed_optimizer),
+        model,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if opt.lr_warmup_iters else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
+        lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=config.train_iters,
+        lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
+        wd_incr_steps=config.train_iters, wd_incr_style="constant",
+    )
+    tconfig.grad_scale_func = optimizer.scale_loss
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    return model, optimizer, scheduler
+
+
+def _global_mean_loss(reports: list[dict[str, torch.Tensor]]) -> float:
+    """Mean LM loss of the whole global batch, available on every rank.
+
+    Losses exist on the last pipeline stage only; each DP replica's TP-rank-0 contributes its mean / DP
+    and one all-reduce over the world adds them up.
+    """
+    from megatron.core import parallel_state as ps
+
+    value = torch.zeros(1, dtype=torch.float64)
+    if reports and ps.get_tensor_model_parallel_rank() == 0:
+        mean = torch.stack([r["lm loss"].double().cpu() for r in reports]).mean()
+        value += mean / ps.get_data_parallel_world_size()
+    if torch.cuda.is_available():
+        value = value.cuda()
+    torch.distributed.all_reduce(value)
+    return float(value.item())
+
+
+def train_step(config: RunConfig, model, optimizer, scheduler, step: int) -> dict[str, float]:
+    """One optimizer step over the global batch (gradient accumulation over micro-batches)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    micro_batches = synthetic_batches(config, step, dp_rank, dp_size)
+    # One iterator per model chunk: with virtual pipeline each chunk consumes the same micro-batches.
+    iterators = [iter(micro_batches) for _ in model]
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(micro_batches),
+        seq_length=config.data.seq_length,
+        micro_batch_size=config.data.micro_batch_size,
+        decoder_seq_length=config.data.seq_length,
+        forward_only=False,
+    )
+    _, grad_norm, _ = optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    scheduler.step(increment=1)
+    return {"loss": _global_mean_loss(reports), "grad_norm": float(grad_norm or 0.0), "lr": float(lr)}
+
+
+def save(model, save_dir: str | Path) -> Path:
+    """Save the model chunks as a Megatron-Core distributed checkpoint, atomically.
+
+    All ranks write into save_dir.partial; after a barrier rank 0 marks it done and renames it to
+    save_dir. A run killed mid-save leaves only the .partial folder, which nothing loads.
+    """
+    from megatron.core import dist_checkpointing
+
+    final = Path(save_dir)
+    partial_dir = final.with_name(final.name + PARTIAL_SUFFIX)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        partial_dir.mkdir(parents=True)
+    torch.distributed.barrier()
+    if len(model) == 1:
+        state = {"model": model[0].module.sharded_state_dict()}
+    else:
+        state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
+    dist_checkpointing.save(state, str(partial_dir))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        (partial_dir / CHECKPOINT_DONE).write_text("{}")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial_dir, final)
+    torch.distributed.barrier()
+    return final
+
+
+def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
+    """Run config.train_iters steps; returns the per-step history and throughput."""
+    model, optimizer, scheduler = build(config, device)
+    tokens_per_step = config.data.global_batch_size * config.data.seq_length
+    history: list[dict[str, float]] = []
+    start = time.perf_counter()
+    for step in range(config.train_iters):
+        history.append(train_step(config, model, optimizer, scheduler, step))
+        if worker.rank() == 0 and ((step + 1) % config.log_interval == 0 or step + 1 == config.train_iters):
+            worker.progress(step + 1, config.train_iters, **history[-1])
+    elapsed = time.perf_counter() - start
+    if config.checkpoint.save_dir:
+        save(model, config.checkpoint.save_dir)
+    return {
+        "losses": [h["loss"] for h in history],
+        "grad_norms": [h["grad_norm"] for h in history],
+        "lrs": [h["lr"] for h in history],
+        "tokens_per_s": tokens_per_step * config.train_iters / elapsed,
+        "world_size": torch.distributed.get_world_size(),
+        "device": device.name,
+        "checkpoint": config.checkpoint.save_dir,
+    }
+
+
+def preflight(config: RunConfig) -> None:
+    """Checks that need this machine's filesystem, done before any worker starts."""
+    save_dir = config.checkpoint.save_dir
+    if save_dir and Path(save_dir).exists() and any(Path(save_dir).iterdir()) and not config.checkpoint.overwrite:
+        raise ConfigError(f"checkpoint.save_dir {save_dir} already holds files; choose another folder or set "
+                          f"checkpoint.overwrite=True to replace it.")
+
+
+def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/train",
+        **launch_kwargs: Any) -> dict[str, Any]:
+    """Train under torchrun from a notebook or script; returns rank 0's result (losses, tokens/s)."""
+    preflight(config)
+    return launcher.launch("pai_cookbook.train", config, nproc_per_node=nproc_per_node, run_dir=run_dir,
+                           **launch_kwargs)
+
+
+@worker.entry
+def main(config_path: str) -> dict[str, Any]:
+    config = RunConfig.load(config_path)
+    device = runtime.init_distributed(config.parallel, config.seed)
+    try:
+        return train(config, device)
+    finally:
+        runtime.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
