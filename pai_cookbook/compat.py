@@ -139,7 +139,11 @@ def _patch_rng_tracker() -> None:
 
 # --- 4. streams, events and synchronize ---------------------------------------------------------
 class _NullStream:
-    """A CUDA stream/event stand-in: CPU ops run in program order, so waits and syncs are no-ops."""
+    """A CUDA stream/event stand-in: CPU ops run in program order, so waits and syncs are no-ops.
+
+    There is one CPU "stream": all instances compare equal (code that asks "am I on a side stream?"
+    gets no), and every method (wait_stream, record_event, synchronize, ...) returns another stand-in.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -150,8 +154,14 @@ class _NullStream:
     def __exit__(self, *exc) -> None:
         return None
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _NullStream)
+
+    def __hash__(self) -> int:
+        return 0
+
     def __getattr__(self, name: str) -> Callable:
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NullStream()
 
     def query(self) -> bool:
         return True
@@ -256,7 +266,7 @@ def _patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
-# --- 9. selective recompute reaches for TE's FP8 state ----------------------------------------------
+# --- 9. selective recompute reaches for Transformer Engine names -----------------------------------
 class _NoFP8:
     """Without Transformer Engine FP8 is never enabled; answers the two questions recompute asks."""
 
@@ -269,11 +279,22 @@ class _NoFP8:
         return None
 
 
-def _patch_recompute_fp8_state() -> None:
+def _patch_recompute_without_te() -> None:
+    """CheckpointWithoutOutput (selective recompute of layernorm/mlp/moe_act) uses three TE names.
+
+    `fp8 is not None` is True for fp8=False, so it always asks TE's FP8 state; without TE the names
+    are undefined. Stand-ins: FP8 is off, and TE's recompute/autocast contexts do nothing.
+    """
     from megatron.core.tensor_parallel import random as mrandom
 
-    if not hasattr(mrandom, "FP8GlobalStateManager"):
-        mrandom.FP8GlobalStateManager = _NoFP8
+    stand_ins = {
+        "FP8GlobalStateManager": _NoFP8,
+        "activation_recompute_forward": lambda *args, **kwargs: contextlib.nullcontext(),
+        "fp8_autocast": lambda *args, **kwargs: contextlib.nullcontext(),
+    }
+    for name, value in stand_ins.items():
+        if not hasattr(mrandom, name):
+            setattr(mrandom, name, value)
 
 
 # --- 10. batched p2p on gloo: silently wrong interleaved-pipeline loss -----------------------------
@@ -313,8 +334,8 @@ PATCHES: tuple[Patch, ...] = (
           _patch_alltoall_split_sizes),
     Patch("torch_norm_sequence_parallel", "AssertionError: sequence parallel not supported by torch LayerNorm",
           _patch_torch_norm_sequence_parallel),
-    Patch("recompute_fp8_state", "NameError: FP8GlobalStateManager in selective recompute without TE",
-          _patch_recompute_fp8_state),
+    Patch("recompute_without_te", "NameError: FP8GlobalStateManager / activation_recompute_forward in "
+          "selective recompute without TE", _patch_recompute_without_te),
     Patch("gloo_p2p", "no error, silently wrong loss with interleaved pipeline and batched p2p on gloo",
           _patch_gloo_p2p),
 )

@@ -74,6 +74,9 @@ class ModelConfig:
     """Fraction of the head dimension that rotates."""
     rope_scaling_factor: float | None = None
     """Llama 3.1-style rotary frequency scaling factor; None disables it."""
+    sliding_window: int | None = None
+    """Mistral's attention window; the local attention is full, which is identical while
+    seq_length <= sliding_window (checked by RunConfig)."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     norm_epsilon: float = 1e-5
     activation: Literal["swiglu", "gelu"] = "swiglu"
@@ -104,8 +107,8 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before top-k, without renormalising (Qwen2-MoE norm_topk_prob=False)."""
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
-    moe_layer_freq: int = 1
-    """Every n-th layer is MoE (1: all layers, 2: every other layer as GShard did)."""
+    moe_layer_freq: int | list[int] = 1
+    """Every n-th layer is MoE (1: all, 2: every other layer as GShard did), or a 0/1 flag per layer."""
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing loss weight (Mixtral: 0.02)."""
@@ -119,7 +122,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                   "num_query_groups", "kv_channels", "vocab_size", "max_position_embeddings",
-                  "rotary_base", "num_experts", "moe_router_topk", "moe_layer_freq")
+                  "rotary_base", "num_experts", "moe_router_topk", "sliding_window")
+        _require(not isinstance(self.moe_layer_freq, list) or len(self.moe_layer_freq) == self.num_layers,
+                 f"moe_layer_freq as a list needs one 0/1 flag per layer ({self.num_layers}), "
+                 f"got {len(self.moe_layer_freq) if isinstance(self.moe_layer_freq, list) else 0}.")
         _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
                  f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                  f"{self.num_attention_heads}; set kv_channels (head dim) explicitly or change one of them.")
@@ -232,6 +238,28 @@ class PrecisionConfig:
                  f"fp8={self.fp8!r} runs the non-GEMM parts in bf16; set dtype='bf16' (got {self.dtype!r}).")
 
 
+RecomputeModule = Literal["core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_experts"]
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    """Activation recomputation: trade compute for activation memory."""
+
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """'full': recompute whole layers in backward; 'selective': only `recompute_modules`; None: off."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """With 'full': checkpoint groups of `recompute_num_layers` (uniform) or the first N layers (block)."""
+    recompute_num_layers: int = 1
+    recompute_modules: list[RecomputeModule] = field(default_factory=lambda: ["core_attn"])
+    """With 'selective': which submodules' activations are recomputed (core_attn is the cheap classic)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "recompute_num_layers")
+        known = typing.get_args(RecomputeModule)
+        bad = [m for m in self.recompute_modules if m not in known]
+        _require(not bad, f"recompute_modules {bad} are not among {known}.")
+
+
 @dataclass(kw_only=True)
 class OptimizerConfig:
     """AdamW with warmup and decay to a minimum learning rate."""
@@ -294,6 +322,7 @@ class RunConfig:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -308,6 +337,16 @@ class RunConfig:
         _positive(self, "train_iters", "log_interval")
         _require(self.optimizer.lr_warmup_iters <= self.train_iters,
                  f"lr_warmup_iters {self.optimizer.lr_warmup_iters} exceeds train_iters {self.train_iters}.")
+        _require(self.memory.recompute_granularity != "full" or
+                 self.model.num_layers % self.memory.recompute_num_layers == 0 or
+                 self.memory.recompute_method == "block",
+                 f"uniform full recompute groups layers by recompute_num_layers "
+                 f"{self.memory.recompute_num_layers}, which does not divide num_layers {self.model.num_layers}.")
+        window = self.model.sliding_window
+        _require(window is None or self.data.seq_length <= window,
+                 f"seq_length {self.data.seq_length} exceeds the model's sliding_window {window}; Megatron-Core's "
+                 f"local attention is full attention, equal to sliding-window attention only up to the window. "
+                 f"Use seq_length <= {window}.")
         _require(self.data.seq_length <= self.model.max_position_embeddings,
                  f"seq_length {self.data.seq_length} exceeds the model's max_position_embeddings "
                  f"{self.model.max_position_embeddings}; shorten seq_length.")

@@ -60,7 +60,7 @@ def torchrun_argv(module: str, args: Sequence[str], nproc_per_node: int, env: ru
         "--master-addr", env.master_addr, "--master-port", str(env.master_port),
         "--max-restarts", "0",
         "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
-        "-m", module, *args,
+        *(["-m", module] if not module.endswith(".py") else [module]), *args,
     ]
 
 
@@ -141,7 +141,7 @@ def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int 
     """Run `python -m module [config.json] *args` under torchrun and return rank 0's result.
 
     Args:
-        module: worker module with a `worker.entry` main (e.g. "pai_cookbook.train").
+        module: worker module with a `worker.entry` main (e.g. "pai_cookbook.train"), or a .py path.
         config: validated against the world size and device, then written to run_dir/config.json and
             passed as the worker's first argument. None for workers that take only `args`.
         nproc_per_node: processes on this machine (GPUs per node on a GPU machine).

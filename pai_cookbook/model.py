@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pai_cookbook.config import ModelConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
 from pai_cookbook.runtime import DeviceInfo
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -23,7 +23,7 @@ def torch_dtype(precision: PrecisionConfig) -> torch.dtype:
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
-                       device: DeviceInfo):
+                       device: DeviceInfo, memory: MemoryConfig | None = None):
     """Translate the cookbook's configs into Megatron-Core's `TransformerConfig`.
 
     Fused kernels that exist only as CUDA extensions (bias-activation, RoPE, gradient-accumulation
@@ -69,6 +69,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         bias_dropout_fusion=fused,
         deallocate_pipeline_outputs=True,
     )
+    if memory is not None and memory.recompute_granularity is not None:
+        kwargs.update(recompute_granularity=memory.recompute_granularity)
+        if memory.recompute_granularity == "full":
+            kwargs.update(recompute_method=memory.recompute_method, recompute_num_layers=memory.recompute_num_layers)
+        else:
+            kwargs.update(recompute_modules=list(memory.recompute_modules))
     if model.is_moe:
         kwargs.update(
             num_moe_experts=model.num_experts,
@@ -145,7 +151,7 @@ def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | N
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
-                device: DeviceInfo, seed: int) -> list[torch.nn.Module]:
+                device: DeviceInfo, seed: int, memory: MemoryConfig | None = None) -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) on its device.
 
     Must run inside a worker after `runtime.init_distributed`.
@@ -156,7 +162,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(model, parallel, precision, device)
+    config = transformer_config(model, parallel, precision, device, memory)
     config.init_seed = seed  # read by SeededTransformerLayer
     vpp = parallel.virtual_pipeline_model_parallel_size
     chunks = []

@@ -22,7 +22,7 @@ import torch
 from pai_cookbook import launch as launcher
 from pai_cookbook import runtime, worker
 from pai_cookbook.config import ConfigError, RunConfig
-from pai_cookbook.model import build_model, torch_dtype, transformer_config
+from pai_cookbook.model import build_model, torch_dtype
 from pai_cookbook.runtime import DeviceInfo
 
 PARTIAL_SUFFIX = ".partial"
@@ -79,7 +79,7 @@ def build(config: RunConfig, device: DeviceInfo):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opt = config.optimizer
-    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
+    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed, config.memory)
     tconfig = chunks[0].config
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=opt.use_distributed_optimizer)

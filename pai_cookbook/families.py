@@ -1,0 +1,250 @@
+"""Model families: Hugging Face `config.json` <-> the cookbook's `ModelConfig` (and so Megatron-Core).
+
+A family is a Hugging Face `model_type`. Reading goes through `transformers.AutoConfig`, so the legacy
+keys of real downloads (`rope_theta`, `rope_scaling`, ...) arrive normalised; writing builds the
+family's own transformers config class, so `save_pretrained` output loads with `AutoModelForCausalLM`.
+What Megatron-Core cannot express (other rotary scalings, biases on every attention projection)
+is refused with a message, never approximated.
+
+Supported: Llama 2/3 (MHA and GQA), Qwen2/Qwen2.5, Mistral, Mixtral, Qwen2-MoE (shared expert with
+gate), Qwen3-MoE (QK norm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pai_cookbook.config import ConfigError, ModelConfig
+
+# Megatron-Core's Llama 3 rotary scaling has these constants built in (rotary_pos_embedding._apply_scaling).
+MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model type and how its config maps onto `ModelConfig`."""
+
+    name: str
+    """Hugging Face model_type, also the registry key."""
+    architecture: str
+    """Hugging Face model class written into config.json `architectures`."""
+    read: Callable[[Any], dict[str, Any]]
+    """Family-specific ModelConfig fields from a transformers config object."""
+    write: Callable[[ModelConfig], dict[str, Any]]
+    """Family-specific transformers config kwargs from a ModelConfig."""
+    tiny: dict[str, Any] = field(default_factory=dict)
+    """Extra transformers kwargs for the family's tiny test model."""
+
+
+def _dense_read(hf: Any) -> dict[str, Any]:
+    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        raise ConfigError(f"{hf.model_type}: attention_bias/mlp_bias=True (bias on every projection) is not "
+                          f"supported by the cookbook's Megatron-Core mapping; only QKV bias is (Qwen2).")
+    return {}
+
+
+def _rotary(hf: Any) -> dict[str, Any]:
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    out = {"rotary_base": float(params.get("rope_theta", 10000.0))}
+    if rope_type == "default":
+        return out
+    if rope_type == "llama3":
+        mismatched = {k: params.get(k) for k, v in MCORE_LLAMA3_ROPE.items() if float(params.get(k, v)) != v}
+        if mismatched:
+            raise ConfigError(f"llama3 rotary scaling with {mismatched} differs from Megatron-Core's built-in "
+                              f"{MCORE_LLAMA3_ROPE}; this checkpoint's positions cannot be reproduced exactly.")
+        return out | {"rope_scaling_factor": float(params["factor"])}
+    raise ConfigError(f"rotary scaling rope_type={rope_type!r} is not supported; supported: 'default', 'llama3'.")
+
+
+def _moe_layers(hf: Any) -> int | list[int]:
+    """HF places MoE at layers with (i+1) % decoder_sparse_step == 0, minus mlp_only_layers."""
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    dense_only = set(getattr(hf, "mlp_only_layers", None) or [])
+    pattern = [int((i + 1) % step == 0 and i not in dense_only) for i in range(hf.num_hidden_layers)]
+    return 1 if all(pattern) else pattern
+
+
+def _moe_layers_hf(model: ModelConfig) -> dict[str, Any]:
+    freq = model.moe_layer_freq
+    pattern = [1] * model.num_layers if freq == 1 else (
+        freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(model.num_layers)])
+    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe]}
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM", read=_dense_read, write=lambda m: {}),
+    "mistral": Family(
+        "mistral", "MistralForCausalLM",
+        read=lambda hf: _dense_read(hf) | {"sliding_window": getattr(hf, "sliding_window", None)},
+        write=lambda m: {"sliding_window": m.sliding_window},
+        tiny={"sliding_window": 64},
+    ),
+    "qwen2": Family(
+        "qwen2", "Qwen2ForCausalLM",
+        # Qwen2 puts a bias on q, k and v (not on o or the MLP).
+        read=lambda hf: {"add_qkv_bias": True},
+        write=lambda m: {},
+        tiny={"tie_word_embeddings": True},
+    ),
+    "mixtral": Family(
+        "mixtral", "MixtralForCausalLM",
+        read=lambda hf: {
+            "num_experts": hf.num_local_experts, "moe_router_topk": hf.num_experts_per_tok,
+            "moe_ffn_hidden_size": hf.intermediate_size, "moe_aux_loss_coeff": hf.router_aux_loss_coef,
+        },
+        write=lambda m: {"num_local_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+                         "router_aux_loss_coef": m.moe_aux_loss_coeff},
+        tiny={"num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen2_moe": Family(
+        "qwen2_moe", "Qwen2MoeForCausalLM",
+        read=lambda hf: {
+            "add_qkv_bias": True, "num_experts": hf.num_experts, "moe_router_topk": hf.num_experts_per_tok,
+            "moe_ffn_hidden_size": hf.moe_intermediate_size,
+            "moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size,
+            "moe_shared_expert_gate": True, "moe_router_pre_softmax": not hf.norm_topk_prob,
+            "moe_layer_freq": _moe_layers(hf), "moe_aux_loss_coeff": hf.router_aux_loss_coef,
+        },
+        write=lambda m: {
+            "num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size,
+            "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+            "norm_topk_prob": not m.moe_router_pre_softmax, "router_aux_loss_coef": m.moe_aux_loss_coeff,
+        } | _moe_layers_hf(m),
+        tiny={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+              "shared_expert_intermediate_size": 96},
+    ),
+    "qwen3_moe": Family(
+        "qwen3_moe", "Qwen3MoeForCausalLM",
+        read=lambda hf: _dense_read(hf) | {
+            "qk_layernorm": True, "num_experts": hf.num_experts, "moe_router_topk": hf.num_experts_per_tok,
+            "moe_ffn_hidden_size": hf.moe_intermediate_size, "moe_router_pre_softmax": not hf.norm_topk_prob,
+            "moe_layer_freq": _moe_layers(hf), "moe_aux_loss_coeff": hf.router_aux_loss_coef,
+        },
+        write=lambda m: {
+            "num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size, "norm_topk_prob": not m.moe_router_pre_softmax,
+            "router_aux_loss_coef": m.moe_aux_loss_coeff,
+        } | _moe_layers_hf(m),
+        tiny={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
+    ),
+}
+
+# A tiny model of each family: 2 layers, width 64, GQA 4 heads over 2 KV heads, 256-token vocabulary
+# (a multiple of 128 x TP for TP in {1, 2}, so vocabulary padding is the same at both).
+TINY_HF = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+
+
+def supported() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def family_of(hf: Any) -> Family:
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in FAMILIES:
+        archs = getattr(hf, "architectures", None)
+        raise ConfigError(f"unsupported architecture: model_type={model_type!r} (architectures={archs}); "
+                          f"the cookbook supports {supported()}.")
+    return FAMILIES[model_type]
+
+
+def load_hf_config(source: str | Path | dict[str, Any] | Any) -> Any:
+    """A transformers config object from a model folder, a config.json path, a dict, or a config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return source
+    if isinstance(source, dict):
+        kwargs = {k: v for k, v in source.items() if k != "model_type"}
+        if source.get("model_type") not in FAMILIES:
+            raise ConfigError(f"unsupported architecture: model_type={source.get('model_type')!r}; "
+                              f"the cookbook supports {supported()}.")
+        return AutoConfig.for_model(source["model_type"], **kwargs)
+    path = Path(source)
+    folder = path.parent if path.name == "config.json" else path
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {folder}; point at a Hugging Face model folder "
+                                f"(the one holding config.json and *.safetensors).")
+    # trust_remote_code stays off: only architectures transformers itself implements are read.
+    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+
+
+def from_hf(source: str | Path | dict[str, Any] | Any) -> ModelConfig:
+    """ModelConfig of a Hugging Face model (folder, config.json, dict or transformers config).
+
+    Raises:
+        ConfigError: unknown architecture (lists the supported ones) or a feature Megatron-Core lacks.
+    """
+    hf = load_hf_config(source)
+    family = family_of(hf)
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"{hf.model_type}: hidden_act={hf.hidden_act!r}; the cookbook maps SwiGLU (silu) MLPs.")
+    fields = dict(
+        family=family.name,
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=hf.num_attention_heads,
+        num_query_groups=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        norm_epsilon=hf.rms_norm_eps,
+        normalization="RMSNorm",
+        activation="swiglu",
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        init_method_std=getattr(hf, "initializer_range", 0.02),
+    )
+    fields |= _rotary(hf)
+    fields |= family.read(hf)
+    return ModelConfig(**fields)
+
+
+def to_hf(model: ModelConfig) -> Any:
+    """The transformers config object for a ModelConfig (`.save_pretrained(folder)` writes config.json)."""
+    from transformers import AutoConfig
+
+    family = FAMILIES.get(model.family)
+    if family is None:
+        raise ConfigError(f"ModelConfig.family={model.family!r} is not a registered family; use one of "
+                          f"{supported()}.")
+    rope = {"rope_theta": model.rotary_base, "rope_type": "default"}
+    if model.rope_scaling_factor is not None:
+        rope |= {"rope_type": "llama3", "factor": model.rope_scaling_factor} | MCORE_LLAMA3_ROPE
+    kwargs = dict(
+        architectures=[family.architecture],
+        num_hidden_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.query_groups,
+        head_dim=model.head_dim,
+        vocab_size=model.vocab_size,
+        max_position_embeddings=model.max_position_embeddings,
+        rms_norm_eps=model.norm_epsilon,
+        hidden_act="silu",
+        tie_word_embeddings=model.tie_word_embeddings,
+        initializer_range=model.init_method_std,
+        rope_parameters=rope,
+    )
+    return AutoConfig.for_model(family.name, **(kwargs | family.write(model)))
+
+
+def tiny_hf_config(family: str, **overrides: Any) -> Any:
+    """A tiny transformers config of `family` (2 layers, width 64) for tests and CPU notebooks."""
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown family {family!r}; the cookbook supports {supported()}.")
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, **(TINY_HF | FAMILIES[family].tiny | overrides))
+
+
+def tiny(family: str = "llama", **overrides: Any) -> ModelConfig:
+    """ModelConfig of the tiny model of `family`; `overrides` change ModelConfig fields."""
+    return dataclasses.replace(from_hf(tiny_hf_config(family)), **overrides)

@@ -1,0 +1,30 @@
+"""Shared helpers: tiny configs and real torchrun runs of tests/workers/scenarios.py."""
+
+from pathlib import Path
+
+import pytest
+
+from pai_cookbook import families, launch
+from pai_cookbook.config import DataConfig, RunConfig
+
+SCENARIOS = str(Path(__file__).parent / "workers" / "scenarios.py")
+
+
+def tiny_run(family: str = "llama", *, model_overrides: dict | None = None, **fields) -> RunConfig:
+    """A RunConfig small enough for a 2-core CPU: 2 layers, width 64, 8 x 32 tokens per step."""
+    fields.setdefault("data", DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=8))
+    fields.setdefault("train_iters", 2)
+    return RunConfig(model=families.tiny(family, **(model_overrides or {})), **fields)
+
+
+@pytest.fixture
+def run_scenario(tmp_path):
+    """Run a scenario under torchrun; returns rank 0's result or raises launch.WorkerError."""
+    counter = iter(range(1000))
+
+    def run(config: RunConfig, nproc: int = 1, scenario: str = "train", skip: str = "") -> dict:
+        return launch.launch(SCENARIOS, config, nproc_per_node=nproc, args=[scenario],
+                             run_dir=tmp_path / f"run{next(counter)}",
+                             env={"PAI_COOKBOOK_COMPAT_SKIP": skip}, echo=False, show_progress=False)
+
+    return run

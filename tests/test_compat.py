@@ -1,0 +1,104 @@
+"""Each CPU compatibility patch is needed (skip it: the scenario fails) and sufficient (apply it:
+the scenario runs and matches a reference). Real Megatron-Core runs under torchrun, gloo backend."""
+
+import re
+
+import pytest
+import torch
+
+from pai_cookbook import compat
+from pai_cookbook.config import MemoryConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.launch import WorkerError
+from tests.conftest import tiny_run
+
+pytestmark = [pytest.mark.multiproc,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="the compatibility layer is a no-op on CUDA")]
+
+TP2 = ParallelConfig(tensor_model_parallel_size=2)
+TP2_SP = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+EP2 = ParallelConfig(expert_model_parallel_size=2)
+SELECTIVE = MemoryConfig(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
+
+# patch -> (config, processes, scenario, what the failing rank's log shows without the patch)
+BREAKS_WITHOUT = {
+    "current_device": (tiny_run(), 1, "train", r"current_device\(\)"),
+    "cuda_literals": (tiny_run(), 1, "train", r"device=[\"']cuda[\"']"),
+    "rng_tracker": (tiny_run(parallel=TP2), 2, "rng", r"Torch not compiled with CUDA"),
+    "streams": (tiny_run("mixtral"), 1, "train", r"torch\.cuda\.Stream requires CUDA"),
+    "cuda_type_names": (tiny_run(precision=PrecisionConfig(dtype="bf16")), 1, "train", r"torch\.cuda\.FloatTensor"),
+    "te_general_gemm": (tiny_run("mixtral"), 1, "train", r"name 'te_general_gemm' is not defined"),
+    "alltoall_split_sizes": (tiny_run("mixtral", parallel=EP2), 2, "train", r"all_to_all_single"),
+    "torch_norm_sequence_parallel": (tiny_run(parallel=TP2_SP), 2, "train",
+                                     r"sequence parallel not supported by torch"),
+    "recompute_without_te": (tiny_run(memory=SELECTIVE), 1, "train", r"name 'FP8GlobalStateManager' is not defined"),
+}
+
+
+def test_every_patch_has_a_test():
+    assert set(BREAKS_WITHOUT) | {"gloo_p2p"} == {p.name for p in compat.PATCHES}
+
+
+@pytest.mark.parametrize("patch", sorted(BREAKS_WITHOUT))
+def test_patch_is_needed(patch, run_scenario):
+    config, nproc, scenario, symptom = BREAKS_WITHOUT[patch]
+    with pytest.raises(WorkerError) as err:
+        run_scenario(config, nproc, scenario, skip=patch)
+    assert re.search(symptom, err.value.log_tail), err.value.log_tail
+
+
+def _losses(run_scenario, config, nproc=1, skip=""):
+    return run_scenario(config, nproc, skip=skip)["losses"]
+
+
+@pytest.mark.parametrize("patch", ["current_device", "cuda_literals", "cuda_type_names", "recompute_without_te"])
+def test_single_process_paths_train(patch, run_scenario):
+    # With every patch applied the scenario trains; its first loss is ln(256) = 5.545 +- 0.05 at init.
+    config, nproc, scenario, _ = BREAKS_WITHOUT[patch]
+    losses = _losses(run_scenario, config, nproc)
+    assert len(losses) == config.train_iters and abs(losses[0] - 5.545) < 0.05
+
+
+def test_rng_tracker_streams_are_seeded_distinct_and_reproducible(run_scenario):
+    config, nproc, scenario, _ = BREAKS_WITHOUT["rng_tracker"]
+    first, second = run_scenario(config, nproc, scenario)["draws"]
+    tp0, tp1 = first["model_parallel"]
+    assert tp0 != tp1, "TP ranks must draw different dropout masks inside the model-parallel region"
+    assert first["default"][0] == first["default"][1], "outside it, ranks share the data-parallel stream"
+    assert first == second, "re-seeding must reproduce every stream exactly"
+
+
+def test_sequence_parallel_matches_tensor_parallel(run_scenario):
+    # The norm weights' grads must be summed over TP under SP; a wrong sum shows from step 2 on.
+    config = BREAKS_WITHOUT["torch_norm_sequence_parallel"][0]
+    sp = _losses(run_scenario, config, 2)
+    tp = _losses(run_scenario, tiny_run(parallel=TP2), 2)
+    assert sp == pytest.approx(tp, abs=1e-5)
+
+
+def test_moe_alltoall_with_expert_parallelism_trains(run_scenario):
+    config = BREAKS_WITHOUT["alltoall_split_sizes"][0]
+    losses = _losses(run_scenario, config, 2)
+    assert len(losses) == 2 and all(abs(x - 5.545) < 0.05 for x in losses)
+
+
+def test_gloo_p2p_interleaved_pipeline_matches_single_process(run_scenario):
+    # The silent one: without the patch nothing raises, the loss is just wrong.
+    four_layers = {"num_layers": 4}
+    vpp = tiny_run(model_overrides=four_layers, parallel=ParallelConfig(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2))
+    reference = _losses(run_scenario, tiny_run(model_overrides=four_layers))
+    assert _losses(run_scenario, vpp, 2) == pytest.approx(reference, abs=1e-5)
+    wrong = _losses(run_scenario, vpp, 2, skip="gloo_p2p")
+    assert max(abs(a - b) for a, b in zip(wrong, reference)) > 1e-4
+
+
+def test_apply_is_idempotent_and_rejects_unknown_names():
+    import subprocess
+    import sys
+    code = ("from pai_cookbook import compat; a = compat.apply(); b = compat.apply(); "
+            "assert a is b and len(a) == len(compat.PATCHES), a; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+    bad = subprocess.run([sys.executable, "-c", "from pai_cookbook import compat; compat.apply(skip=('nope',))"],
+                         capture_output=True, text=True)
+    assert "unknown compat patch" in bad.stderr

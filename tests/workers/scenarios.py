@@ -1,0 +1,71 @@
+"""Small real runs for the tests, executed under torchrun by `pai_cookbook.launch`.
+
+Usage (by the launcher): scenarios.py CONFIG_JSON SCENARIO
+  train        train config.train_iters steps with the cookbook's training code, return its history
+  rng          draw from the model-parallel RNG tracker and the default generator, twice, on every rank
+  param_counts build the model of config.model and count its parameters over all ranks
+The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
+patch out, which is how tests/test_compat.py shows each patch is needed.
+"""
+
+import torch
+
+from pai_cookbook import runtime, worker
+from pai_cookbook.config import RunConfig
+from pai_cookbook.model import build_model
+from pai_cookbook.train import train
+
+
+def _gather(t: torch.Tensor) -> list[list[float]]:
+    out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def rng(config: RunConfig) -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    draws = []
+    for _ in range(2):  # the second round re-seeds: reproducibility
+        torch.manual_seed(config.seed)
+        model_parallel_cuda_manual_seed(config.seed)
+        with get_cuda_rng_tracker().fork():
+            model_parallel = torch.rand(4)
+        default = torch.rand(4)
+        draws.append({"model_parallel": _gather(model_parallel), "default": _gather(default)})
+    return {"draws": draws}
+
+
+def param_counts(config: RunConfig, device) -> dict:
+    from megatron.core import parallel_state as ps
+
+    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
+    # TP-split and expert params are distinct per rank; the rest is replicated over TP: count it once.
+    local = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            split = getattr(p, "tensor_model_parallel", False) or not getattr(p, "allreduce", True)
+            if split or ps.get_tensor_model_parallel_rank() == 0:
+                local += p.numel()
+    total = torch.tensor([local], dtype=torch.int64)
+    torch.distributed.all_reduce(total)
+    padded = config.model.padded_vocab_size(config.parallel.tensor_model_parallel_size)
+    return {"params": int(total.item()), "padded_vocab_size": padded}
+
+
+@worker.entry
+def main(config_path: str, scenario: str) -> dict:
+    config = RunConfig.load(config_path)
+    device = runtime.init_distributed(config.parallel, config.seed)
+    try:
+        if scenario == "rng":
+            return rng(config)
+        if scenario == "param_counts":
+            return param_counts(config, device)
+        return train(config, device)
+    finally:
+        runtime.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
