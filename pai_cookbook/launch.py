@@ -10,7 +10,7 @@
   tail of its log; on KeyboardInterrupt (the notebook's stop button) or a timeout terminates torchrun
   and every worker below it, so no process is left behind.
 
-CLI for batch jobs: `python -m pai_cookbook.launch MODULE --config run.json --nproc-per-node 8`.
+CLI for batch jobs: `python -m pai_cookbook.launch MODULE --config run.json --nproc-per-node 8 [-- ARGS]`.
 """
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ from pai_cookbook.config import RunConfig
 LOG_TAIL_LINES = 40
 TERMINATE_GRACE_S = 5.0
 """Seconds workers get to exit after SIGTERM before SIGKILL."""
-_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*exitcode\s*:\s*(-?\d+)",
-                         re.S)
+# One entry of torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: ...)".
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _RANK_PREFIX = re.compile(r"^\[default\d+\]:")
+# Errors a rank raises because a *peer* went away: a consequence, not the cause. A failing rank's own
+# teardown (destroy_process_group in a finally) can make its peers raise these before the failing
+# rank's exception is even recorded, so time alone cannot order them.
+SECONDARY_ERRORS = re.compile(r"Connection (reset|closed) by peer|Broken pipe|communicator was aborted|"
+                              r"DistNetworkError|Socket Timeout|NCCL watchdog", re.I)
 
 
 class WorkerError(RuntimeError):
@@ -92,6 +97,26 @@ class _ignore_gone:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         return exc_type is psutil.NoSuchProcess
+
+
+def _first_failure(run_dir: Path, torchrun_output: str) -> tuple[int | None, int | None, int | None]:
+    """(rank, local_rank, exit code) of the failure that broke the run.
+
+    A rank killed by a signal (segfault, OOM killer: negative exit code other than torchrun's own
+    SIGTERM) left no Python error and is the cause; otherwise the earliest error a rank recorded
+    (`worker.entry`) that is not a lost-peer error; otherwise torchrun's own first observation.
+    """
+    failures = [tuple(int(g) for g in m.groups()) for m in _FAILURE.finditer(torchrun_output)]
+    for failure in failures:
+        if failure[2] < 0 and failure[2] != -signal.SIGTERM:
+            return failure
+    records = [json.loads(p.read_text()) for p in (run_dir / worker.ERROR_DIR).glob("rank*.json")]
+    if records:
+        primary = [r for r in records if not SECONDARY_ERRORS.search(r["error"])] or records
+        first = min(primary, key=lambda r: r["time"])
+        code = next((f[2] for f in failures if f[0] == first["rank"]), 1)
+        return first["rank"], first["local_rank"], code
+    return failures[-1] if failures else (None, None, None)  # torchrun lists its root cause last
 
 
 def _rank_log_tail(log_dir: Path, local_rank: int | None, lines: int = LOG_TAIL_LINES) -> str:
@@ -168,8 +193,9 @@ def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int 
     run_dir = Path(run_dir).resolve()
     log_dir = run_dir / "logs"
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / worker.RESULT_FILE,):
-        stale.unlink(missing_ok=True)
+    (run_dir / worker.RESULT_FILE).unlink(missing_ok=True)
+    for stale in (run_dir / worker.ERROR_DIR).glob("rank*.json"):
+        stale.unlink()
     argv_args = list(args)
     if config is not None:
         config.validate(launch_env.world_size(nproc_per_node), device)
@@ -209,9 +235,9 @@ def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int 
         progress.close()
 
     if proc.returncode != 0:
-        match = _ROOT_CAUSE.search("\n".join(output))
-        rank, local_rank, code = (int(g) for g in match.groups()) if match else (None, None, proc.returncode)
-        raise WorkerError(rank, code, _rank_log_tail(log_dir, local_rank), log_dir)
+        rank, local_rank, code = _first_failure(run_dir, "\n".join(output))
+        raise WorkerError(rank, code if code is not None else proc.returncode,
+                          _rank_log_tail(log_dir, local_rank), log_dir)
     result_path = run_dir / worker.RESULT_FILE
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
     result["events"] = progress.events
@@ -228,11 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/latest"))
     parser.add_argument("--timeout-s", type=float)
-    parser.add_argument("args", nargs="*", help="further worker arguments (after --)")
-    opts = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    opts = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     try:
         config = RunConfig.load(opts.config) if opts.config else None
-        result = launch(opts.module, config, nproc_per_node=opts.nproc_per_node, args=opts.args,
+        result = launch(opts.module, config, nproc_per_node=opts.nproc_per_node, args=worker_args,
                         run_dir=opts.run_dir, timeout_s=opts.timeout_s, show_progress=False)
     except ConfigError as err:
         print(f"pai_cookbook.launch: bad configuration: {err}", file=sys.stderr)

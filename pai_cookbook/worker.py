@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +30,8 @@ RUN_DIR_ENV = "PAI_COOKBOOK_RUN_DIR"
 PROGRESS_MARK = "@@pai_cookbook "
 """Prefix of the machine-readable lines that rank 0 prints for the launcher."""
 RESULT_FILE = "result.json"
+ERROR_DIR = "errors"
+"""run_dir/errors/rank{N}.json: a failing rank's exception with a precise time, to find the first one."""
 
 
 def rank() -> int:
@@ -55,13 +59,30 @@ def _write_result(result: dict[str, Any]) -> None:
     os.replace(tmp, path)  # atomic: the launcher never reads half a result
 
 
+def _write_error(err: BaseException) -> None:
+    """Record this rank's exception; when one rank dies, its peers fail later with secondary errors
+    (a closed connection), so the earliest record names the rank that broke the run."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir is None:
+        return
+    folder = Path(run_dir) / ERROR_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "time": time.time(),
+              "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    (folder / f"rank{rank()}.json").write_text(json.dumps(record, indent=2))
+
+
 def entry(main: Callable[..., dict[str, Any] | None]) -> Callable[[], None]:
     """Wrap a worker's main(*argv) -> dict into a torchrun entry point."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    @record  # writes torchrun's error file on an exception: the launcher reads the failing rank from it
+    @record  # torchrun's own error file, for its summary
     def run() -> None:
-        result = main(*sys.argv[1:])
+        try:
+            result = main(*sys.argv[1:])
+        except BaseException as err:
+            _write_error(err)
+            raise
         if rank() == 0 and result is not None:
             _write_result(result)
 

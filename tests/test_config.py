@@ -1,0 +1,132 @@
+"""Config validation: bad layouts are rejected before launch, each with a message naming value and fix."""
+
+import dataclasses
+
+import pytest
+
+from pai_cookbook import families, runtime
+from pai_cookbook.config import (ConfigError, DataConfig, MemoryConfig, OptimizerConfig, ParallelConfig,
+                                 PrecisionConfig, RunConfig)
+
+CPU = runtime.DeviceInfo(is_cuda=False, name="CPU", count=0, compute_capability=None, backend="gloo",
+                         has_transformer_engine=False, has_flash_attn=False)
+A100 = dataclasses.replace(CPU, is_cuda=True, name="A100", count=8, compute_capability=(8, 0), backend="nccl",
+                           has_transformer_engine=True)
+H100 = dataclasses.replace(A100, name="H100", compute_capability=(9, 0))
+DATA = DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=8)
+
+
+def run(family="llama", model=None, **fields):
+    fields.setdefault("data", DATA)
+    return RunConfig(model=model or families.tiny(family), **fields)
+
+
+# (what is wrong, how to build it, world size, device, the message that must name it)
+BAD_LAYOUTS = [
+    ("heads not divisible by TP", lambda: run(parallel=ParallelConfig(tensor_model_parallel_size=8)), 8, CPU,
+     r"num_attention_heads 4 is not divisible by TP=8.*TP in \[1, 2, 4\]"),
+    ("query groups not divisible by TP", lambda: run(parallel=ParallelConfig(tensor_model_parallel_size=4)), 4, CPU,
+     r"num_query_groups 2 is not divisible by TP=4"),
+    ("layers not divisible by PP", lambda: run(model=families.tiny(num_layers=3),
+                                               parallel=ParallelConfig(pipeline_model_parallel_size=2)), 2, CPU,
+     r"num_layers 3 is not divisible by PP x virtual PP = 2 x 1"),
+    ("layers not divisible by PP x VPP", lambda: run(
+        model=families.tiny(num_layers=4), data=DataConfig(seq_length=32, micro_batch_size=1, global_batch_size=8),
+        parallel=ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4)), 2, CPU,
+     r"num_layers 4 is not divisible by PP x virtual PP = 2 x 4"),
+    ("experts not divisible by EP", lambda: run("mixtral", parallel=ParallelConfig(expert_model_parallel_size=3)),
+     3, CPU, r"num_experts 4 is not divisible by EP=3"),
+    ("world size not a multiple of TP x PP", lambda: run(parallel=ParallelConfig(tensor_model_parallel_size=2)),
+     3, CPU, r"world size 3 is not divisible by TP x PP = 2 x 1"),
+    ("global batch not divisible by micro x DP", lambda: run(
+        data=DataConfig(seq_length=32, micro_batch_size=3, global_batch_size=8)), 2, CPU,
+     r"global_batch_size 8 is not divisible by micro_batch_size x DP = 3 x 2"),
+    ("interleaved micro-batches not divisible by PP", lambda: run(
+        model=families.tiny(num_layers=4), data=DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=2),
+        parallel=ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)), 2, CPU,
+     r"interleaved schedule needs micro-batches per step \(1\) divisible by PP=2"),
+    ("FP8 on CPU", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8="delayed")), 1, CPU,
+     r"fp8='delayed' needs FP8 tensor cores.*found CPU.*dtype='bf16' with fp8=None"),
+    ("FP8 on Ampere", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8="tensorwise")), 1, A100,
+     r"needs FP8 tensor cores \(compute capability >= 9.0, Hopper\), found A100"),
+    ("fp16 on CPU", lambda: run(precision=PrecisionConfig(dtype="fp16")), 1, CPU, r"dtype='fp16' needs a GPU"),
+    ("flex dispatcher on CPU", lambda: run(model=families.tiny("mixtral", moe_token_dispatcher_type="flex")),
+     1, CPU, r"'flex' needs DeepEP"),
+    ("grouped GEMM forced on CPU", lambda: run(model=families.tiny("mixtral", moe_grouped_gemm=True)), 1, CPU,
+     r"moe_grouped_gemm=True needs CUDA"),
+    ("EP on a dense model", lambda: run(parallel=ParallelConfig(expert_model_parallel_size=2)), 2, CPU,
+     r"expert_model_parallel_size 2 is set for a dense model"),
+    ("expert layout over world size", lambda: run("mixtral", parallel=ParallelConfig(
+        expert_model_parallel_size=2, tensor_model_parallel_size=2, expert_tensor_parallel_size=2)), 2, CPU,
+     r"world size 2 is not divisible by EP x expert-TP x PP = 2 x 2 x 1"),
+]
+
+# Rejected when the config object is built (no world size needed).
+BAD_FIELDS = [
+    ("EP=1 with expert-TP != TP (Megatron-Core gives wrong expert grads)",
+     lambda: ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=1),
+     r"expert_tensor_parallel_size 1 != tensor_model_parallel_size 2 with expert_model_parallel_size 1"),
+    ("sequence parallel without TP", lambda: ParallelConfig(sequence_parallel=True),
+     r"sequence_parallel=True needs tensor_model_parallel_size > 1"),
+    ("virtual PP without PP", lambda: ParallelConfig(virtual_pipeline_model_parallel_size=2),
+     r"virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1"),
+    ("context beyond rotary wavelength", lambda: families.tiny(max_position_embeddings=100_000),
+     r"max_position_embeddings 100000 exceeds rotary's longest wavelength .* = 62832 tokens"),
+    ("sequence longer than the model's context", lambda: run(data=DataConfig(seq_length=512)),
+     r"seq_length 512 exceeds the model's max_position_embeddings 256"),
+    ("sequence longer than Mistral's window", lambda: run("mistral", data=DataConfig(seq_length=128)),
+     r"seq_length 128 exceeds the model's sliding_window 64"),
+    ("top-k above expert count", lambda: families.tiny("mixtral", moe_router_topk=5),
+     r"moe_router_topk 5 exceeds num_experts 4"),
+    ("sinkhorn with top-2", lambda: families.tiny("mixtral", moe_router_load_balancing_type="sinkhorn"),
+     r"sinkhorn load balancing supports top-1 routing only"),
+    ("query groups not dividing heads", lambda: families.tiny(num_query_groups=3),
+     r"num_attention_heads 4 is not divisible by num_query_groups 3"),
+    ("min_lr above lr", lambda: OptimizerConfig(lr=1e-4, min_lr=1e-3),
+     r"min_lr 0.001 must lie in \[0, lr=0.0001\]"),
+    ("fp8 with fp32", lambda: PrecisionConfig(dtype="fp32", fp8="delayed"), r"set dtype='bf16'"),
+    ("unknown recompute module", lambda: MemoryConfig(recompute_modules=["attention"]),
+     r"recompute_modules \['attention'\] are not among"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_LAYOUTS, ids=[c[0] for c in BAD_LAYOUTS])
+def test_bad_layout_rejected_with_specific_message(case):
+    _, build, world_size, device, message = case
+    with pytest.raises(ConfigError, match=message):
+        build().validate(world_size, device)
+
+
+@pytest.mark.parametrize("case", BAD_FIELDS, ids=[c[0] for c in BAD_FIELDS])
+def test_bad_field_rejected_when_built(case):
+    _, build, message = case
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_good_layouts_pass():
+    run().validate(1, CPU)
+    run(parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)).validate(2, CPU)
+    run("mixtral", parallel=ParallelConfig(expert_model_parallel_size=2)).validate(2, CPU)
+    run(precision=PrecisionConfig(dtype="bf16", fp8="delayed")).validate(1, H100)
+    run(model=families.tiny(num_layers=4), parallel=ParallelConfig(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)).validate(2, CPU)
+
+
+def test_data_parallel_size_is_derived():
+    assert ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(16) == 4
+
+
+def test_json_round_trip_and_unknown_keys(tmp_path):
+    config = run("qwen2_moe", parallel=ParallelConfig(expert_model_parallel_size=2),
+                 memory=MemoryConfig(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]))
+    assert RunConfig.load(config.save(tmp_path / "c.json")) == config
+    text = config.to_json().replace('"train_iters"', '"train_itres"')
+    with pytest.raises(ConfigError, match=r"RunConfig has no field\(s\) \['train_itres'\]"):
+        RunConfig.from_json(text)
+
+
+def test_padded_vocab_is_a_multiple_of_128_times_tp():
+    model = families.tiny(vocab_size=32_000)
+    assert model.padded_vocab_size(1) == 32_000 and model.padded_vocab_size(2) == 32_000
+    assert families.tiny(vocab_size=151_646).padded_vocab_size(4) == 152_064

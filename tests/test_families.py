@@ -1,0 +1,91 @@
+"""Model-family registry: Hugging Face config <-> ModelConfig, and the Megatron-Core model it builds."""
+
+import json
+
+import pytest
+import transformers
+
+from pai_cookbook import families
+from pai_cookbook.config import ConfigError
+from tests.conftest import tiny_run
+
+# Fields of the HF config that decide the function the model computes.
+HF_KEYS = ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+           "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+           "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+           "shared_expert_intermediate_size", "norm_topk_prob", "sliding_window"]
+
+
+@pytest.mark.parametrize("family", families.supported())
+def test_hf_config_round_trip(family):
+    hf = families.tiny_hf_config(family)
+    model = families.from_hf(hf)
+    back = families.to_hf(model)
+    assert families.from_hf(back) == model
+    for key in HF_KEYS:
+        if hasattr(hf, key):
+            assert getattr(back, key) == getattr(hf, key), key
+    assert back.architectures == [families.FAMILIES[family].architecture]
+
+
+@pytest.mark.parametrize("family", families.supported())
+def test_written_config_loads_in_transformers(family, tmp_path):
+    families.to_hf(families.tiny(family)).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    assert type(model).__name__ == families.FAMILIES[family].architecture
+
+
+def test_reads_a_legacy_llama3_config_json(tmp_path):
+    # The shape of a real Llama 3.1 download: rope_theta and rope_scaling at the top level.
+    legacy = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}, "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    model = families.from_hf(tmp_path)
+    assert model.rotary_base == 500000.0 and model.rope_scaling_factor == 8.0 and model.query_groups == 2
+
+
+def test_qwen2_moe_sparse_step_maps_to_a_layer_pattern():
+    hf = families.tiny_hf_config("qwen2_moe", num_hidden_layers=4, decoder_sparse_step=2)
+    model = families.from_hf(hf)
+    assert model.moe_layer_freq == [0, 1, 0, 1]  # HF: MoE where (i + 1) % step == 0
+    assert model.moe_shared_expert_gate and model.moe_router_pre_softmax  # norm_topk_prob=False
+    back = families.to_hf(model)
+    assert back.mlp_only_layers == [0, 2] and families.from_hf(back) == model
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"model_type": "gpt2"}, r"unsupported architecture: model_type='gpt2'.*supports \['llama', 'mistral'"),
+])
+def test_unknown_architecture_lists_supported(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        families.from_hf(bad)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, r"rope_type='yarn' is not supported"),
+    ({"attention_bias": True}, r"attention_bias/mlp_bias=True .* is not supported"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5, "low_freq_factor": 2.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     r"differs from Megatron-Core's built-in"),
+])
+def test_features_megatron_lacks_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        families.from_hf(families.tiny_hf_config("llama", **overrides))
+
+
+def test_missing_config_json_is_explained(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        families.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("family", families.supported())
+def test_megatron_model_has_the_hf_parameter_count(family, run_scenario):
+    # Same architecture => same number of parameters (vocab 256 needs no padding at TP=1).
+    hf_params = transformers.AutoModelForCausalLM.from_config(families.tiny_hf_config(family)).num_parameters()
+    result = run_scenario(tiny_run(family), 1, "param_counts")
+    assert result["padded_vocab_size"] == 256
+    assert result["params"] == hf_params

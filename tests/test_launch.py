@@ -1,0 +1,106 @@
+"""The torchrun launcher: results, progress, crashes, interrupts and timeouts, with real processes."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pai_cookbook import launch, runtime
+from pai_cookbook.config import ConfigError, ParallelConfig
+from tests.conftest import tiny_run
+
+PROBE = str(Path(__file__).parent / "workers" / "launch_probe.py")
+
+
+def test_returns_rank0_result_and_progress_events(tmp_path, capsys):
+    result = launch.launch(PROBE, nproc_per_node=2, args=["ok", str(tmp_path)], run_dir=tmp_path)
+    assert result["world_size"] == 2 and result["mode"] == "ok"
+    steps = [e["step"] for e in result["events"] if e["event"] == "progress"]
+    assert steps == [1, 2, 3]
+    assert "ordinary output line" in capsys.readouterr().out
+    # every rank's output is kept in a file, rank 1's too (it is not streamed)
+    assert len(list((tmp_path / "logs").glob("*/attempt_0/1/stdout.log"))) == 1
+
+
+def test_crash_on_rank1_raises_with_rank_and_log_tail(tmp_path):
+    with pytest.raises(launch.WorkerError) as err:
+        launch.launch(PROBE, nproc_per_node=2, args=["crash", str(tmp_path)], run_dir=tmp_path, echo=False)
+    assert err.value.rank == 1 and err.value.exitcode == 1
+    assert "deliberate failure on rank 1" in err.value.log_tail
+    assert "rank 1 is about to fail" in err.value.log_tail
+    assert "rank 1 failed" in str(err.value)
+
+
+def _wait_for_pids(run_dir: Path, n: int, timeout_s: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        files = list(run_dir.glob("pid.*"))
+        if len(files) == n:
+            time.sleep(0.5)  # let the files be written whole
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.2)
+    raise AssertionError(f"workers did not start within {timeout_s}s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_interrupt_terminates_every_worker(tmp_path):
+    # A notebook's stop button raises KeyboardInterrupt in the kernel: here, SIGINT to a caller process.
+    code = (f"from pai_cookbook import launch; "
+            f"launch.launch({PROBE!r}, nproc_per_node=2, args=['hang', {str(tmp_path)!r}], run_dir={str(tmp_path)!r})")
+    caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = _wait_for_pids(tmp_path, 2)
+    torchrun = [p for p in psutil.Process(caller.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
+    assert torchrun and all(_alive(p) for p in pids)
+    caller.send_signal(signal.SIGINT)
+    _, stderr = caller.communicate(timeout=60)
+    assert "KeyboardInterrupt" in stderr
+    time.sleep(0.5)
+    left = [p for p in pids + [torchrun[0].pid] if _alive(p)]
+    assert not left, f"processes left behind: {left}"
+
+
+def test_timeout_terminates_every_worker(tmp_path):
+    with pytest.raises(TimeoutError, match="timeout_s=15"):
+        launch.launch(PROBE, nproc_per_node=2, args=["hang", str(tmp_path)], run_dir=tmp_path, timeout_s=15)
+    pids = [int(f.read_text()) for f in tmp_path.glob("pid.*")]
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+
+
+def test_bad_layout_is_rejected_before_any_process_starts(tmp_path):
+    config = tiny_run(parallel=ParallelConfig(tensor_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by TP x PP"):
+        launch.launch("pai_cookbook.train", config, nproc_per_node=3, run_dir=tmp_path)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_argv_is_a_list_with_scheduler_rendezvous(tmp_path):
+    env = runtime.detect_launch_env({"MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "23456", "WORLD_SIZE": "4", "RANK": "2"})
+    argv = launch.torchrun_argv("pai_cookbook.train", ["c.json"], 8, env, tmp_path)
+    joined = " ".join(argv)
+    assert "--nnodes 4 --node-rank 2 --nproc-per-node 8" in joined
+    assert "--master-addr 10.0.0.7 --master-port 23456" in joined
+    assert argv[-3:] == ["-m", "pai_cookbook.train", "c.json"]
+
+
+def test_cli_exit_codes(tmp_path):
+    bad = tiny_run(parallel=ParallelConfig(tensor_model_parallel_size=2))
+    bad.save(tmp_path / "bad.json")
+    out = subprocess.run([sys.executable, "-m", "pai_cookbook.launch", "pai_cookbook.train", "--config",
+                          str(tmp_path / "bad.json"), "--nproc-per-node", "3", "--run-dir", str(tmp_path / "r")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "bad configuration" in out.stderr
+    ok = subprocess.run([sys.executable, "-m", "pai_cookbook.launch", PROBE, "--nproc-per-node", "1",
+                         "--run-dir", str(tmp_path / "ok"), "--", "ok", str(tmp_path)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout[ok.stdout.index("{"):])["mode"] == "ok"

@@ -1,0 +1,48 @@
+"""Device and launch-environment detection."""
+
+import pytest
+import torch
+
+from pai_cookbook import runtime
+
+
+def test_single_machine_gets_a_free_local_port():
+    env = runtime.detect_launch_env({})
+    assert not env.multi_node and env.nnodes == 1 and env.master_addr == "127.0.0.1" and env.master_port > 0
+
+
+def test_scheduler_variables_make_a_multi_node_job():
+    env = runtime.detect_launch_env({"MASTER_ADDR": "dlc-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "4",
+                                     "RANK": "3"})
+    assert env.multi_node and (env.nnodes, env.node_rank, env.master_port) == (4, 3, 23456)
+    assert env.world_size(8) == 32
+
+
+def test_inside_a_torchrun_worker_the_variables_are_process_level():
+    env = runtime.detect_launch_env({"MASTER_ADDR": "h", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"})
+    assert not env.multi_node
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"MASTER_ADDR": "h"}, r"\['WORLD_SIZE', 'RANK'\] are not"),
+    ({"MASTER_ADDR": "h", "WORLD_SIZE": "2", "RANK": "2"}, r"RANK 2 is outside \[0, WORLD_SIZE=2\)"),
+    ({"MASTER_ADDR": "h", "WORLD_SIZE": "two", "RANK": "0"}, r"must be integers"),
+])
+def test_partial_scheduler_variables_are_explained(environ, message):
+    with pytest.raises(ValueError, match=message):
+        runtime.detect_launch_env(environ)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path")
+def test_cpu_device_uses_gloo_and_local_layers():
+    device = runtime.detect_device()
+    assert device.backend == "gloo" and not device.is_cuda and not device.supports_fp8
+    report = runtime.environment_report()
+    assert report["runs_here"]["cpu compatibility layer"] and report["versions"]["megatron-core"] == "0.16.1"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_device_uses_nccl():
+    device = runtime.detect_device()
+    assert device.backend == "nccl" and device.count >= 1
