@@ -33,6 +33,12 @@ from pai_cookbook import runtime, worker
 from pai_cookbook.config import RunConfig
 
 LOG_TAIL_LINES = 40
+# Warnings every CPU worker would print at import, each saying what the environment report already
+# shows (no TE/Apex here) or advising a CUDA setting; kept out of the notebook on the CPU path only.
+CPU_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                       "When using async grad allreduce")
+# Megatron-Core's own default (cuda_graph_scope) triggers this deprecation on every device.
+ALWAYS_BENIGN_WARNINGS = ("full scope is deprecated",)
 TERMINATE_GRACE_S = 5.0
 """Seconds workers get to exit after SIGTERM before SIGKILL."""
 # One entry of torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: ...)".
@@ -204,6 +210,12 @@ def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int 
 
     child_env = {**os.environ, **(env or {}), worker.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1"}
     child_env.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc_per_node)))
+    benign = ALWAYS_BENIGN_WARNINGS + (() if device.is_cuda else CPU_BENIGN_WARNINGS)
+    child_env["PYTHONWARNINGS"] = ",".join(filter(None, [child_env.get("PYTHONWARNINGS")] +
+                                                  [f"ignore:{message}" for message in benign]))
+    if device.is_cuda:
+        # Megatron-Core orders TP communication before compute kernels with a single CUDA queue.
+        child_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     progress = _Progress(desc=module.rsplit(".", 1)[-1], enabled=show_progress)
     output: list[str] = []
 
@@ -238,10 +250,27 @@ def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int 
         rank, local_rank, code = _first_failure(run_dir, "\n".join(output))
         raise WorkerError(rank, code if code is not None else proc.returncode,
                           _rank_log_tail(log_dir, local_rank), log_dir)
-    result_path = run_dir / worker.RESULT_FILE
-    result = json.loads(result_path.read_text()) if result_path.exists() else {}
+    result = _read_result(run_dir / worker.RESULT_FILE, launch_env)
     result["events"] = progress.events
     return result
+
+
+SHARED_RESULT_WAIT_S = 60.0
+"""On nodes other than 0, how long to wait for node 0's rank 0 to write result.json."""
+
+
+def _read_result(path: Path, launch_env: runtime.LaunchEnv) -> dict[str, Any]:
+    """Rank 0's result; on other nodes of a multi-node job it arrives through shared storage."""
+    if launch_env.node_rank > 0:
+        deadline = time.monotonic() + SHARED_RESULT_WAIT_S
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(1.0)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"node {launch_env.node_rank}: global rank 0 runs on node 0 and writes its result to {path}, "
+                f"which this node cannot see. On a multi-node job put run_dir on storage every node mounts "
+                f"(NAS/CPFS/OSS), as checkpoints need anyway.")
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

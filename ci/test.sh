@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The cookbook's test command (README): installs what it needs, then runs every test tier that this
+# machine supports: unit tests, 2-process Megatron-Core runs, and every notebook through papermill.
+# GPU-only tests skip themselves (with the reason) where no CUDA device is present.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash ci/setup_env.sh
+# --timeout: a hung distributed test fails after 10 minutes instead of eating the CI budget.
+set +e
+.venv/bin/python -m pytest tests -q -rs --timeout 600 "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+  echo "test.sh: pytest collected no tests; the suite is broken" >&2
+  exit 1
+fi
+exit "$status"

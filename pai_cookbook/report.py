@@ -1,0 +1,51 @@
+"""What a notebook tells its reader and its tests: environment tables, parity figures, metrics.json.
+
+Every notebook ends by writing its headline figures to OUTPUT_DIR/metrics.json; the notebook tests
+read that file and assert on it with explicit tolerances.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+METRICS_FILE = "metrics.json"
+
+
+def environment_markdown(report: dict[str, Any]) -> str:
+    """`runtime.environment_report()` as a Markdown table for `IPython.display.Markdown`."""
+    device = report["device"]
+    rows = [("Python", report["python"]), ("device", device["name"]), ("backend", device["backend"]),
+            ("launch", f"{report['launch']['kind']} ({report['launch']['nnodes']} node(s))")]
+    rows += [(name, version or "not installed") for name, version in report["versions"].items()]
+    rows += [(f"runs here: {what}", _yes_no(value)) for what, value in report["runs_here"].items()]
+    return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def _yes_no(value: Any) -> str:
+    return {True: "yes", False: "no (needs a GPU)"}.get(value, str(value))
+
+
+def compare_curves(reference: Sequence[float], other: Sequence[float]) -> dict[str, float]:
+    """Step-by-step agreement of two loss curves of equal length."""
+    if len(reference) != len(other):
+        raise ValueError(f"curves differ in length: {len(reference)} vs {len(other)} steps")
+    diffs = [abs(a - b) for a, b in zip(reference, other)]
+    return {"max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs), "steps": len(diffs)}
+
+
+def save_metrics(output_dir: str | Path, metrics: dict[str, Any]) -> Path:
+    """Write the notebook's headline figures to output_dir/metrics.json (NaN/inf refused)."""
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"metrics {bad} are not finite; a notebook must not record NaN/inf as a result")
+    path = Path(output_dir) / METRICS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(metrics, indent=2))
+    return path
+
+
+def load_metrics(output_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(output_dir) / METRICS_FILE).read_text())

@@ -1,0 +1,44 @@
+"""Committed notebooks are stripped, papermill-ready and follow the cookbook's layout."""
+
+import ast
+import re
+
+import nbformat
+import pytest
+
+from ci.run_notebooks import notebooks
+
+NAME = re.compile(r"^\d\d_[a-z0-9]+(_[a-z0-9]+)*\.ipynb$")
+
+
+@pytest.fixture(params=notebooks(), ids=lambda p: p.stem)
+def notebook(request):
+    return request.param, nbformat.read(request.param, as_version=4)
+
+
+def test_valid_and_named_in_run_order(notebook):
+    path, nb = notebook
+    nbformat.validate(nb)
+    assert NAME.match(path.name), f"{path.name}: name notebooks NN_verb_object.ipynb"
+
+
+def test_committed_without_outputs(notebook):
+    path, nb = notebook
+    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    assert not dirty, f"{path.name}: cells {dirty} carry outputs; run `nbstripout {path}` (it keeps tags)"
+
+
+def test_first_cell_explains_second_is_the_only_parameters_cell(notebook):
+    path, nb = notebook
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert tagged == [1], f"{path.name}: exactly the second cell must be tagged 'parameters', got {tagged}"
+
+
+def test_parameters_are_commented_upper_case_constants(notebook):
+    path, nb = notebook
+    source = nb.cells[1].source
+    names = [t.id for node in ast.parse(source).body for t in node.targets]
+    assert names and all(n.isupper() for n in names) and "OUTPUT_DIR" in names
+    for line in source.splitlines():
+        assert "#" in line, f"{path.name}: parameter line without a comment (units, CI vs real value): {line}"
