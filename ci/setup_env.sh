@@ -24,4 +24,4 @@ fi
 # PIPESTATUS: fail on pip's exit code, not grep's (grep only drops this machine's local-index notices).
 .venv/bin/python -m pip install --quiet -e ".[notebooks,test]" 2>&1 | grep -v "^WARNING: Location" || true
 test "${PIPESTATUS[0]}" -eq 0
-.venv/bin/python -c "import torch, megatron.core, transformers, papermill; print(f'setup_env: torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')"
+.venv/bin/python -W ignore -c "import torch, megatron.core, transformers, papermill; print(f'setup_env: torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')"
