@@ -62,6 +62,17 @@ def _patch_current_device() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
 
 
+# --- 1b. .cuda() calls ------------------------------------------------------------------------------
+def _patch_cuda_method() -> None:
+    """`tensor.cuda()` / `module.cuda()` stay on the CPU, the only device there is.
+
+    Seen in the tied-embedding set-up with PP > 1 (language_module: `weight.data = weight.data.cuda()`
+    before the first/last-stage all-reduce); without CUDA the call can only fail.
+    """
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+
+
 # --- 2. literal device="cuda" in module code ------------------------------------------------------
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint")
 # Megatron-Core modules that create tensors with a literal device="cuda" on the CPU training path.
@@ -320,6 +331,8 @@ def _patch_gloo_p2p() -> None:
 PATCHES: tuple[Patch, ...] = (
     Patch("current_device", "AssertionError: Torch not compiled with CUDA enabled (rotary embedding, layers)",
           _patch_current_device),
+    Patch("cuda_method", "AssertionError: Torch not compiled with CUDA enabled at a .cuda() call (tied "
+          "embeddings with PP > 1)", _patch_cuda_method),
     Patch("cuda_literals", "CUDA init error from device='cuda' literals in schedules, optimizer, clip_grads, "
           "masks", _patch_cuda_literals),
     Patch("rng_tracker", "'cuda rng state model-parallel-rng is not added'; seeds never reach a generator",

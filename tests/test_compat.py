@@ -23,6 +23,8 @@ SELECTIVE = MemoryConfig(recompute_granularity="selective", recompute_modules=["
 BREAKS_WITHOUT = {
     "current_device": (tiny_run(), 1, "train", r"current_device\(\)"),
     "cuda_literals": (tiny_run(), 1, "train", r"device=[\"']cuda[\"']"),
+    "cuda_method": (tiny_run("qwen2", parallel=ParallelConfig(pipeline_model_parallel_size=2)), 2, "train",
+                    r"weight\.data\.cuda\(\)"),
     "rng_tracker": (tiny_run(parallel=TP2), 2, "rng", r"Torch not compiled with CUDA"),
     "streams": (tiny_run("mixtral"), 1, "train", r"torch\.cuda\.Stream requires CUDA"),
     "cuda_type_names": (tiny_run(precision=PrecisionConfig(dtype="bf16")), 1, "train", r"torch\.cuda\.FloatTensor"),
@@ -50,7 +52,8 @@ def _losses(run_scenario, config, nproc=1, skip=""):
     return run_scenario(config, nproc, skip=skip)["losses"]
 
 
-@pytest.mark.parametrize("patch", ["current_device", "cuda_literals", "cuda_type_names", "recompute_without_te"])
+@pytest.mark.parametrize("patch", ["current_device", "cuda_literals", "cuda_type_names", "recompute_without_te",
+                                   "cuda_method"])
 def test_single_process_paths_train(patch, run_scenario):
     # With every patch applied the scenario trains; its first loss is ln(256) = 5.545 +- 0.05 at init.
     config, nproc, scenario, _ = BREAKS_WITHOUT[patch]

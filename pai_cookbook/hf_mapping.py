@@ -1,0 +1,169 @@
+"""Which Hugging Face tensors make each Megatron-Core parameter, and how (the conversion's known traps).
+
+Megatron names are those of a TP=1, PP=1, EP=1 `GPTModel` (local spec): the whole, unsplit tensors.
+Splitting for TP/PP/EP is not done here: Megatron-Core's distributed checkpoint stores whole tensors
+as chunks and reshards on load, including the per-rank split of SwiGLU's fused gate/up weight
+(its sharded-tensor factory splits gate and up separately, never the concatenation globally).
+
+The traps, each a `kind` below:
+- `qkv`: Megatron fuses Q, K, V *per query group*: [q of group 0 (heads/groups x head_dim rows), k_0, v_0,
+  q_1, k_1, v_1, ...], so that a TP split of whole groups keeps each head with its KV head (GQA).
+- `gate_up`: SwiGLU's fc1 is cat(gate, up); Megatron applies silu to the first half.
+- `vocab`: embedding and output rows are padded to `ModelConfig.padded_vocab_size(TP)` with zeros, and
+  cut back on export. (A zero output row gives logit 0 for a token id that never occurs.)
+- `copy`: the same tensor (norms, o_proj, down_proj, router, QK norms, shared-expert gate).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pai_cookbook.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    """Regex over Megatron parameter names; groups `i` (layer) and `e` (expert)."""
+    hf: tuple[str, ...]
+    """Hugging Face tensor names, formatted with the groups and `moe` (the family's MoE block name)."""
+    kind: str
+
+
+_L = r"decoder\.layers\.(?P<i>\d+)\."
+_H = "model.layers.{i}."
+_EXPERT = r"mlp\.experts\.local_experts\.(?P<e>\d+)\."
+
+RULES: tuple[Rule, ...] = (
+    Rule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), "vocab"),
+    Rule(r"output_layer\.weight", ("lm_head.weight",), "vocab"),
+    Rule(r"decoder\.final_layernorm\.weight", ("model.norm.weight",), "copy"),
+    Rule(_L + r"input_layernorm\.weight", (_H + "input_layernorm.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_qkv\.weight",
+         tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Rule(_L + r"self_attention\.linear_qkv\.bias", tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
+    Rule(_L + r"self_attention\.linear_proj\.weight", (_H + "self_attn.o_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.q_layernorm\.weight", (_H + "self_attn.q_norm.weight",), "copy"),
+    Rule(_L + r"self_attention\.k_layernorm\.weight", (_H + "self_attn.k_norm.weight",), "copy"),
+    Rule(_L + r"pre_mlp_layernorm\.weight", (_H + "post_attention_layernorm.weight",), "copy"),
+    Rule(_L + r"mlp\.linear_fc1\.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
+    Rule(_L + r"mlp\.linear_fc2\.weight", (_H + "mlp.down_proj.weight",), "copy"),
+    Rule(_L + r"mlp\.router\.weight", (_H + "{moe}.gate.weight",), "copy"),
+    Rule(_L + _EXPERT + r"linear_fc1\.weight", (_H + "{moe}.experts.{e}.{gate}.weight",
+                                                _H + "{moe}.experts.{e}.{up}.weight"), "gate_up"),
+    Rule(_L + _EXPERT + r"linear_fc2\.weight", (_H + "{moe}.experts.{e}.{down}.weight",), "copy"),
+    Rule(_L + r"mlp\.shared_experts\.linear_fc1\.weight",
+         (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), "gate_up"),
+    Rule(_L + r"mlp\.shared_experts\.linear_fc2\.weight", (_H + "mlp.shared_expert.down_proj.weight",), "copy"),
+    Rule(_L + r"mlp\.shared_experts\.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "copy"),
+)
+
+# How each family names its MoE block and expert projections on disk (the hub format, which is also
+# what transformers 5 writes with save_pretrained).
+_MOE_NAMES = {
+    "mixtral": {"moe": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
+    "qwen2_moe": {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "qwen3_moe": {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+}
+_DENSE_NAMES = {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+class UnmappedParameter(KeyError):
+    """A Megatron parameter no rule knows: the model has a feature the converter does not cover."""
+
+
+def hf_names(megatron_name: str, model: ModelConfig) -> tuple[str, tuple[str, ...]]:
+    """(kind, HF tensor names) that make the Megatron parameter `megatron_name`."""
+    names = _MOE_NAMES.get(model.family, _DENSE_NAMES)
+    for rule in RULES:
+        match = re.fullmatch(rule.megatron, megatron_name)
+        if match:
+            return rule.kind, tuple(h.format(**match.groupdict(), **names) for h in rule.hf)
+    raise UnmappedParameter(f"no Hugging Face mapping for Megatron parameter {megatron_name!r} "
+                            f"(family {model.family})")
+
+
+def _qkv_geometry(model: ModelConfig) -> tuple[int, int, int]:
+    groups, head_dim = model.query_groups, model.head_dim
+    return groups, model.num_attention_heads // groups * head_dim, head_dim
+
+
+def to_megatron(kind: str, tensors: list[torch.Tensor], model: ModelConfig, padded_vocab: int) -> torch.Tensor:
+    """Build one Megatron parameter from its HF tensors (see the module docstring for the kinds)."""
+    if kind == "copy":
+        return tensors[0]
+    if kind == "gate_up":
+        return torch.cat(tensors, dim=0)
+    if kind == "qkv":
+        groups, q_rows, head_dim = _qkv_geometry(model)
+        q, k, v = tensors
+        rest = q.shape[1:]
+        per_group = [q.reshape(groups, q_rows, *rest), k.reshape(groups, head_dim, *rest),
+                     v.reshape(groups, head_dim, *rest)]
+        return torch.cat(per_group, dim=1).reshape(-1, *rest)
+    if kind == "vocab":
+        (weight,) = tensors
+        padding = padded_vocab - weight.shape[0]
+        if padding == 0:
+            return weight
+        return torch.cat([weight, weight.new_zeros(padding, *weight.shape[1:])], dim=0)
+    raise ValueError(f"unknown conversion kind {kind!r}")
+
+
+def to_hf(kind: str, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
+    """Split one Megatron parameter back into its HF tensors (exact inverse of `to_megatron`)."""
+    if kind == "copy":
+        return [tensor]
+    if kind == "gate_up":
+        return list(torch.chunk(tensor, 2, dim=0))
+    if kind == "qkv":
+        groups, q_rows, head_dim = _qkv_geometry(model)
+        rest = tensor.shape[1:]
+        q, k, v = tensor.reshape(groups, q_rows + 2 * head_dim, *rest).split([q_rows, head_dim, head_dim], dim=1)
+        return [x.reshape(-1, *rest) for x in (q, k, v)]
+    if kind == "vocab":
+        return [tensor[:model.vocab_size]]
+    raise ValueError(f"unknown conversion kind {kind!r}")
+
+
+def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of `model` must hold, with its shape."""
+    h, d, layers = model.hidden_size, model.head_dim, model.num_layers
+    q_out, kv_out = model.num_attention_heads * d, model.query_groups * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
+    if not model.tie_word_embeddings:
+        shapes["lm_head.weight"] = (model.vocab_size, h)
+    names = _MOE_NAMES.get(model.family, _DENSE_NAMES)
+    freq = model.moe_layer_freq
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
+                   p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out)}
+        if model.add_qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                       p + "self_attn.v_proj.bias": (kv_out,)}
+        if model.qk_layernorm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        is_moe = model.is_moe and (freq[i] if isinstance(freq, list) else i % freq == 0)
+        if not is_moe:
+            f = model.ffn_hidden_size
+            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f)}
+            continue
+        f, moe = model.moe_ffn_hidden_size or model.ffn_hidden_size, names["moe"]
+        shapes[p + f"{moe}.gate.weight"] = (model.num_experts, h)
+        for e in range(model.num_experts):
+            x = p + f"{moe}.experts.{e}."
+            shapes |= {x + f"{names['gate']}.weight": (f, h), x + f"{names['up']}.weight": (f, h),
+                       x + f"{names['down']}.weight": (h, f)}
+        if model.moe_shared_expert_intermediate_size:
+            s = model.moe_shared_expert_intermediate_size
+            shapes |= {p + "mlp.shared_expert.gate_proj.weight": (s, h), p + "mlp.shared_expert.up_proj.weight": (s, h),
+                       p + "mlp.shared_expert.down_proj.weight": (h, s)}
+            if model.moe_shared_expert_gate:
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return shapes
