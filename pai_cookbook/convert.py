@@ -23,29 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import struct
 import sys
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pai_cookbook import families, hf_mapping
+from pai_cookbook import checkpoint, families, hf_mapping
 from pai_cookbook.config import ConfigError, ModelConfig, ParallelConfig
 
-CONFIG_FILE = "pai_cookbook.json"
-"""In a Megatron checkpoint: the ModelConfig, dtype and provenance; makes the folder self-describing."""
-HF_ASSETS = "hf_assets"
-"""In a Megatron checkpoint: the source's tokenizer files, config.json and generation_config.json."""
-PARTIAL_SUFFIX = ".partial"
-ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed on load
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size: 5 GB
 
 
@@ -130,7 +121,9 @@ def inspect_hf(folder: str | Path) -> HFCheckpoint:
         if tensors[key][1] != shape:
             raise ConfigError(f"{folder}: tensor {key} has shape {list(tensors[key][1])}, but config.json "
                               f"implies {list(shape)}; config and weights disagree.")
-    return HFCheckpoint(folder, model, {k: tensors[k] for k in expected})
+    checked = HFCheckpoint(folder, model, {k: tensors[k] for k in expected})
+    checked.dtype  # one dtype for all tensors, or a ConfigError now rather than in the worker
+    return checked
 
 
 def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -146,34 +139,10 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
               data=DataConfig(seq_length=seq, micro_batch_size=1, global_batch_size=dp * pp)).validate(world)
 
 
-def prepare_output(out: Path, overwrite: bool) -> Path:
-    """Refuse an occupied output folder (unless overwrite); return the .partial folder to write into."""
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} already holds files; choose another output folder or pass overwrite=True "
-                              f"(--overwrite) to replace it.")
-    partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    return partial
 
 
-def finish_output(partial: Path, out: Path) -> Path:
-    """Move a complete .partial folder into place (the last step of a conversion)."""
-    if out.exists():
-        shutil.rmtree(out)
-    partial.rename(out)
-    return out
 
 
-def read_checkpoint_config(ckpt: str | Path) -> tuple[ModelConfig, torch.dtype]:
-    """The ModelConfig and dtype a converted (or trained) Megatron checkpoint describes itself with."""
-    path = Path(ckpt) / CONFIG_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{ckpt} has no {CONFIG_FILE}: not a checkpoint written by the cookbook "
-                                f"(convert.hf_to_megatron or train.run write it).")
-    data = json.loads(path.read_text())
-    dtype = {v: k for k, v in _DTYPE_NAMES.items()}[data["dtype"]]
-    return ModelConfig(**data["model"]), dtype
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,7 +154,7 @@ def meta_model(model: ModelConfig, dtype: torch.dtype):
     from pai_cookbook.model import build_model
     from pai_cookbook.runtime import detect_device
 
-    precision = PrecisionConfig(dtype=_DTYPE_NAMES[dtype])
+    precision = PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype])
     with torch.device("meta"):
         (gpt,) = build_model(model, ParallelConfig(), precision, detect_device(), seed=0)
     return gpt
@@ -281,24 +250,13 @@ def write_megatron(source: HFCheckpoint, partial: Path) -> dict[str, Any]:
          planner=planner)
     torch.save({}, partial / "common.pt")  # a model-only checkpoint has no common (non-sharded) state
     save_config(CheckpointingConfig(sharded_backend="torch_dist", sharded_backend_version=1), str(partial))
-    write_checkpoint_config(partial, model, dtype, source=str(source.folder))
-    copy_assets(source.folder, partial / HF_ASSETS)
-    return {"chunks": len(chunks), "dtype": _DTYPE_NAMES[dtype]}
+    checkpoint.write_config(partial, model, dtype, source=str(source.folder))
+    checkpoint.copy_assets(source.folder, partial / checkpoint.HF_ASSETS)
+    return {"chunks": len(chunks), "dtype": checkpoint.DTYPE_NAMES[dtype]}
 
 
-def write_checkpoint_config(folder: Path, model: ModelConfig, dtype: torch.dtype, **provenance: Any) -> None:
-    (folder / CONFIG_FILE).write_text(json.dumps(
-        {"model": asdict(model), "dtype": _DTYPE_NAMES[dtype], "format": "torch_dist"} | provenance, indent=2))
 
 
-def copy_assets(src: Path, dst: Path) -> list[str]:
-    dst.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for name in ASSET_FILES:
-        if (src / name).exists():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    return copied
 
 
 def _region_planner(regions: dict[str, tuple[str, tuple[int, ...]]]):
@@ -361,7 +319,7 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
     """Export a torch_dist checkpoint to HF safetensors shards + index in `partial` (1-process worker)."""
     from safetensors.torch import save_file
 
-    model, dtype = read_checkpoint_config(ckpt)
+    model, dtype = checkpoint.read_config(ckpt)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes, files, weight_map, total = 0, [], {}, 0
 
@@ -389,9 +347,10 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
         (partial / old).rename(partial / new)
     index = {"metadata": {"total_size": total}, "weight_map": {k: final_names[v] for k, v in sorted(weight_map.items())}}
     (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    assets = Path(ckpt) / HF_ASSETS
-    copied = copy_assets(assets, partial) if assets.exists() else []
-    config = families.to_hf(model)
+    assets = Path(ckpt) / checkpoint.HF_ASSETS
+    copied = checkpoint.copy_assets(assets, partial) if assets.exists() else []
+    source_config = assets / "config.json"
+    config = families.to_hf(model, json.loads(source_config.read_text()) if source_config.exists() else None)
     config.dtype = dtype
     config.save_pretrained(partial)  # written after the assets: the config is the checkpoint's own
     return {"shards": len(files), "tensors": len(weight_map), "bytes": total, "assets": copied}
@@ -401,7 +360,8 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
 # Notebook / script API and the worker entry
 # --------------------------------------------------------------------------------------------------
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, parallel: ParallelConfig | None = None,
-                   overwrite: bool = False, run_dir: str | Path | None = None) -> dict[str, Any]:
+                   overwrite: bool = False, run_dir: str | Path | None = None,
+                   timeout_s: float | None = None) -> dict[str, Any]:
     """Convert a Hugging Face model folder into a Megatron-Core torch_dist checkpoint at `out`.
 
     Args:
@@ -409,6 +369,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, parallel: ParallelCon
         out: checkpoint folder to create; loadable at any TP/PP/EP that divides the model.
         parallel: the layout you will load it at; checked against the model before converting.
         overwrite: replace an existing `out` instead of refusing.
+        timeout_s: stop the conversion (and leave `out` untouched) after this many seconds.
     Returns:
         Worker figures: tensors written, dtype, seconds, peak RSS.
     """
@@ -418,11 +379,12 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, parallel: ParallelCon
     if parallel is not None:
         check_layout(source.model, parallel)
     out = Path(out)
-    partial = prepare_output(out, overwrite)
+    partial = checkpoint.prepare(out, overwrite)
     result = launch.launch("pai_cookbook.convert", args=["worker", "hf2mcore", str(Path(hf_dir).resolve()),
                                                          str(partial)],
-                           run_dir=run_dir or out.with_name(out.name + ".logs"), echo=False, show_progress=False)
-    finish_output(partial, out)
+                           run_dir=run_dir or out.with_name(out.name + ".logs"), echo=False, show_progress=False,
+                           timeout_s=timeout_s)
+    checkpoint.publish(partial, out)
     return {k: v for k, v in result.items() if k != "events"}
 
 
@@ -431,29 +393,79 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = False
     """Export a cookbook Megatron checkpoint to a Hugging Face folder (safetensors shards, config, tokenizer)."""
     from pai_cookbook import launch
 
-    read_checkpoint_config(ckpt)  # fails early on a folder that is not a cookbook checkpoint
+    checkpoint.read_config(ckpt)  # fails early on a folder that is not a cookbook checkpoint
     out = Path(out)
-    partial = prepare_output(out, overwrite)
+    partial = checkpoint.prepare(out, overwrite)
     result = launch.launch("pai_cookbook.convert", args=["worker", "mcore2hf", str(Path(ckpt).resolve()), str(partial),
                                                          str(max_shard_bytes)],
                            run_dir=run_dir or out.with_name(out.name + ".logs"), echo=False, show_progress=False)
-    finish_output(partial, out)
+    checkpoint.publish(partial, out)
     return {k: v for k, v in result.items() if k != "events"}
 
 
-def _worker(_marker: str, direction: str, src: str, partial: str, *extra: str) -> dict[str, Any]:
+def layout_world_size(parallel: ParallelConfig) -> int:
+    """The smallest number of processes that holds a layout: PP x lcm(TP, EP x expert-TP)."""
+    return parallel.pipeline_model_parallel_size * math.lcm(parallel.tensor_model_parallel_size,
+                                                             parallel.expert_model_parallel_size * parallel.expert_tp)
+
+
+def reshard(ckpt: str | Path, out: str | Path, parallel: ParallelConfig, *, overwrite: bool = False,
+            run_dir: str | Path | None = None) -> dict[str, Any]:
+    """Load `ckpt` at layout `parallel` and save it from there with Megatron-Core's own save.
+
+    A torch_dist checkpoint loads at any layout anyway; this writes one *saved at* that layout (as a
+    training run at that layout would), which is how a resharding round trip is demonstrated.
+    """
+    from pai_cookbook import launch
+
+    model, _ = checkpoint.read_config(ckpt)
+    check_layout(model, parallel)
+    checkpoint.check_writable(out, overwrite)
+    sizes = [parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+             parallel.expert_model_parallel_size, parallel.expert_tp]
+    result = launch.launch("pai_cookbook.convert", nproc_per_node=layout_world_size(parallel),
+                           args=["worker", "reshard", str(Path(ckpt).resolve()), str(Path(out).resolve()),
+                                 *map(str, sizes)],
+                           run_dir=run_dir or Path(out).with_name(Path(out).name + ".logs"), echo=False,
+                           show_progress=False)
+    return {k: v for k, v in result.items() if k != "events"}
+
+
+def _reshard_worker(src: Path, out: Path, tp: str, pp: str, ep: str, etp: str) -> dict[str, Any]:
+    from pai_cookbook.config import PrecisionConfig
+    from pai_cookbook.model import build_model
+    from pai_cookbook.runtime import detect_device
+
+    parallel = ParallelConfig(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp),
+                              expert_model_parallel_size=int(ep), expert_tensor_parallel_size=int(etp))
+    model, dtype = checkpoint.read_config(src)
+    chunks = build_model(model, parallel, PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]), detect_device(), 0)
+    checkpoint.load(chunks, src)
+    checkpoint.save(chunks, out, model, dtype, assets=src / checkpoint.HF_ASSETS, resharded_from=str(src),
+                    saved_at={"tp": int(tp), "pp": int(pp), "ep": int(ep), "etp": int(etp)})
+    return {"saved_at": {"tp": int(tp), "pp": int(pp), "ep": int(ep)}}
+
+
+def _worker(_marker: str, direction: str, src: str, dst: str, *extra: str) -> dict[str, Any]:
     import resource
     import time
 
     from pai_cookbook import runtime
 
-    runtime.init_distributed(ParallelConfig(), seed=0)
+    parallel = ParallelConfig()
+    if direction == "reshard":
+        tp, pp, ep, etp = (int(x) for x in extra)
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    runtime.init_distributed(parallel, seed=0)
     try:
         start = time.perf_counter()
         if direction == "hf2mcore":
-            result = write_megatron(inspect_hf(src), Path(partial))
+            result = write_megatron(inspect_hf(src), Path(dst))
+        elif direction == "mcore2hf":
+            result = write_hf(Path(src), Path(dst), *(int(x) for x in extra))
         else:
-            result = write_hf(Path(src), Path(partial), *(int(x) for x in extra))
+            result = _reshard_worker(Path(src), Path(dst), *extra)
         # ru_maxrss is in KiB on Linux
         return result | {"seconds": time.perf_counter() - start,
                          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

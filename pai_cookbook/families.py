@@ -206,8 +206,13 @@ def from_hf(source: str | Path | dict[str, Any] | Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def to_hf(model: ModelConfig) -> Any:
-    """The transformers config object for a ModelConfig (`.save_pretrained(folder)` writes config.json)."""
+def to_hf(model: ModelConfig, base: dict[str, Any] | None = None) -> Any:
+    """The transformers config object for a ModelConfig (`.save_pretrained(folder)` writes config.json).
+
+    Args:
+        base: a source config.json's contents; its other fields (token ids, dtype, ...) are kept and
+            the architecture fields are set from `model`.
+    """
     from transformers import AutoConfig
 
     family = FAMILIES.get(model.family)
@@ -233,7 +238,8 @@ def to_hf(model: ModelConfig) -> Any:
         initializer_range=model.init_method_std,
         rope_parameters=rope,
     )
-    return AutoConfig.for_model(family.name, **(kwargs | family.write(model)))
+    kept = {k: v for k, v in (base or {}).items() if k not in ("model_type", "transformers_version")}
+    return AutoConfig.for_model(family.name, **(kept | kwargs | family.write(model)))
 
 
 def tiny_hf_config(family: str, **overrides: Any) -> Any:

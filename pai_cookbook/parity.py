@@ -8,13 +8,12 @@ absolute difference, argmax agreement, and each side's next-token loss on the ba
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pai_cookbook import runtime, worker
+from pai_cookbook import checkpoint, runtime, worker
 from pai_cookbook.config import DataConfig, ParallelConfig, RunConfig
 from pai_cookbook.tiny_models import TOKENIZER_CORPUS
 
@@ -32,18 +31,6 @@ def token_batch(tokenizer_dir: str | Path, batch: int = DEFAULT_BATCH, seq: int 
     return torch.tensor(ids[:batch * seq]).view(batch, seq)
 
 
-def load_megatron(chunks: list[torch.nn.Module], ckpt: str | Path) -> None:
-    """Load a torch_dist checkpoint into this rank's model chunks (Megatron-Core reshards on load)."""
-    from megatron.core import dist_checkpointing
-
-    if len(chunks) == 1:
-        state = dist_checkpointing.load(chunks[0].sharded_state_dict(), str(ckpt))
-        chunks[0].load_state_dict(state)
-        return
-    wanted = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-    state = dist_checkpointing.load(wanted, str(ckpt))  # virtual PP: all chunks in one call
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state[f"model{i}"])
 
 
 def megatron_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor | None:
@@ -93,6 +80,9 @@ def compare_logits(hf: torch.Tensor, mcore: torch.Tensor, tokens: torch.Tensor) 
         "argmax_agreement": float((hf.argmax(-1) == mcore.argmax(-1)).double().mean()),
         "hf_loss": _next_token_loss(hf, tokens),
         "megatron_loss": _next_token_loss(mcore, tokens),
+        # the first sample alone: the seed project's "single-sample forward loss"
+        "hf_sample_loss": _next_token_loss(hf[:1], tokens[:1]),
+        "megatron_sample_loss": _next_token_loss(mcore[:1], tokens[:1]),
     }
 
 
@@ -108,14 +98,15 @@ def check(hf_dir: str | Path, ckpt: str | Path, parallel: ParallelConfig | None 
           run_dir: str | Path = "runs/parity", batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ) -> dict[str, Any]:
     """Parity of the checkpoint `ckpt` loaded at layout `parallel` against the HF model in `hf_dir`.
 
-    Runs TP x PP x DP processes, DP = EP (the smallest world that holds the layout).
+    Runs the smallest number of processes that holds the layout (`convert.layout_world_size`).
     """
-    from pai_cookbook import convert, launch
+    from pai_cookbook import launch
+    from pai_cookbook.convert import layout_world_size
 
     parallel = parallel or ParallelConfig()
-    model, _ = convert.read_checkpoint_config(ckpt)
+    model, _ = checkpoint.read_config(ckpt)
     ep = parallel.expert_model_parallel_size
-    world = parallel.pipeline_model_parallel_size * max(parallel.tensor_model_parallel_size, ep * parallel.expert_tp)
+    world = layout_world_size(parallel)
     config = RunConfig(model=model, parallel=parallel,
                        data=DataConfig(seq_length=seq, micro_batch_size=batch,
                                        global_batch_size=batch * world // parallel.model_parallel_size))
@@ -134,10 +125,10 @@ def main(config_path: str, hf_dir: str, ckpt: str) -> dict[str, Any] | None:
     device = runtime.init_distributed(config.parallel, config.seed)
     try:
         chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
-        load_megatron(chunks, ckpt)
+        checkpoint.load(chunks, ckpt)
         for chunk in chunks:
             chunk.eval()
-        tokens = token_batch(Path(ckpt) / "hf_assets", config.data.micro_batch_size, config.data.seq_length)
+        tokens = token_batch(Path(ckpt) / checkpoint.HF_ASSETS, config.data.micro_batch_size, config.data.seq_length)
         logits = megatron_logits(chunks, tokens)
         if logits is None:
             return None

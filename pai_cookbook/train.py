@@ -1,7 +1,8 @@
 """Pretraining worker: Megatron DDP + Megatron optimizer + Megatron's pipeline schedules.
 
 The steps are those of Megatron-LM's `run_simple_mcore_train_loop.py`, each a function here:
-`build` (model provider, DDP, optimizer, LR schedule), `forward_step`, `train_step`, `save`. The worker
+`build` (model provider, DDP, optimizer, LR schedule), `forward_step`, `train_step`; saving is
+`checkpoint.save`. The worker
 entry (`main`) reads the config, joins the process group, trains, and always tears down.
 
 From a notebook: `run(config, nproc_per_node=2)` checks what can be checked on this machine,
@@ -10,8 +11,6 @@ launches the workers and returns the per-step losses.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -20,15 +19,11 @@ from typing import Any, Iterator
 import torch
 
 from pai_cookbook import launch as launcher
-from pai_cookbook import runtime, worker
-from pai_cookbook.config import ConfigError, RunConfig
+from pai_cookbook import checkpoint, runtime, worker
+from pai_cookbook.config import RunConfig
 from pai_cookbook.model import build_model, torch_dtype
 from pai_cookbook.runtime import DeviceInfo
 
-PARTIAL_SUFFIX = ".partial"
-"""A checkpoint being written lives at save_dir + this suffix; only a finished one is renamed to save_dir."""
-CHECKPOINT_DONE = "done.json"
-"""Written last inside a checkpoint: a folder without it is never loaded."""
 
 
 MAX_SYNTHETIC_STRIDE = 8
@@ -150,33 +145,6 @@ def train_step(config: RunConfig, model, optimizer, scheduler, step: int) -> dic
     return {"loss": _global_mean_loss(reports), "grad_norm": float(grad_norm or 0.0), "lr": float(lr)}
 
 
-def save(model, save_dir: str | Path) -> Path:
-    """Save the model chunks as a Megatron-Core distributed checkpoint, atomically.
-
-    All ranks write into save_dir.partial; after a barrier rank 0 marks it done and renames it to
-    save_dir. A run killed mid-save leaves only the .partial folder, which nothing loads.
-    """
-    from megatron.core import dist_checkpointing
-
-    final = Path(save_dir)
-    partial_dir = final.with_name(final.name + PARTIAL_SUFFIX)
-    if torch.distributed.get_rank() == 0:
-        shutil.rmtree(partial_dir, ignore_errors=True)
-        partial_dir.mkdir(parents=True)
-    torch.distributed.barrier()
-    if len(model) == 1:
-        state = {"model": model[0].module.sharded_state_dict()}
-    else:
-        state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
-    dist_checkpointing.save(state, str(partial_dir))
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        (partial_dir / CHECKPOINT_DONE).write_text("{}")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial_dir, final)
-    torch.distributed.barrier()
-    return final
 
 
 def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
@@ -191,7 +159,8 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
             worker.progress(step + 1, config.train_iters, **history[-1])
     elapsed = time.perf_counter() - start
     if config.checkpoint.save_dir:
-        save(model, config.checkpoint.save_dir)
+        checkpoint.save([m.module for m in model], config.checkpoint.save_dir, config.model,
+                        torch_dtype(config.precision), steps=config.train_iters)
     return {
         "losses": [h["loss"] for h in history],
         "grad_norms": [h["grad_norm"] for h in history],
@@ -205,10 +174,9 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
 
 def preflight(config: RunConfig) -> None:
     """Checks that need this machine's filesystem, done before any worker starts."""
-    save_dir = config.checkpoint.save_dir
-    if save_dir and Path(save_dir).exists() and any(Path(save_dir).iterdir()) and not config.checkpoint.overwrite:
-        raise ConfigError(f"checkpoint.save_dir {save_dir} already holds files; choose another folder or set "
-                          f"checkpoint.overwrite=True to replace it.")
+    if config.checkpoint.save_dir:
+        checkpoint.check_writable(config.checkpoint.save_dir, config.checkpoint.overwrite,
+                                  "checkpoint.overwrite=True")
 
 
 def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/train",

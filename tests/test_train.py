@@ -2,8 +2,8 @@
 
 import pytest
 
-from pai_cookbook import train
-from pai_cookbook.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
+from pai_cookbook import checkpoint, train
+from pai_cookbook.config import CheckpointConfig, DataConfig, ParallelConfig
 from tests.conftest import tiny_run
 
 
@@ -30,9 +30,10 @@ def test_checkpoint_is_saved_atomically_and_never_overwritten_silently(tmp_path)
                       data=DataConfig(seq_length=16, micro_batch_size=2, global_batch_size=2))
     result = train.run(config, run_dir=tmp_path / "run", show_progress=False, echo=False)
     assert result["checkpoint"] == str(save_dir)
-    assert (save_dir / train.CHECKPOINT_DONE).exists()
-    assert not save_dir.with_name("ckpt" + train.PARTIAL_SUFFIX).exists()
-    with pytest.raises(ConfigError, match=r"already holds files.*checkpoint.overwrite=True"):
+    model, _ = checkpoint.read_config(save_dir)  # self-describing
+    assert model == config.model
+    assert not checkpoint.partial_dir(save_dir).exists()
+    with pytest.raises(FileExistsError, match=r"already holds files.*checkpoint.overwrite=True"):
         train.run(config, run_dir=tmp_path / "run2")
     assert not (tmp_path / "run2").exists(), "refused before any worker started"
 

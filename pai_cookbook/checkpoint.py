@@ -1,0 +1,128 @@
+"""Megatron-Core distributed checkpoints as the cookbook writes them: atomic and self-describing.
+
+A checkpoint folder holds
+- Megatron-Core's torch_dist files (whole tensors stored as chunks: loadable at any TP/PP/EP layout
+  that divides the model; Megatron-Core reshards on load);
+- `pai_cookbook.json`: the ModelConfig, dtype and provenance, so nothing else is needed to load it;
+- `hf_assets/`: the Hugging Face config.json and tokenizer files it came from, so exporting or
+  generating needs no manual copy step.
+Every writer fills `<folder>.partial` and renames it into place as its last step: a run killed
+mid-write leaves only the .partial folder, which no loader opens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook.config import ModelConfig
+
+CONFIG_FILE = "pai_cookbook.json"
+HF_ASSETS = "hf_assets"
+PARTIAL_SUFFIX = ".partial"
+ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def check_writable(out: str | Path, overwrite: bool, how_to_overwrite: str = "overwrite=True") -> None:
+    """Refuse an output folder that already holds files, unless overwriting was asked for."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} already holds files; choose another folder or set {how_to_overwrite} "
+                              f"to replace it.")
+
+
+def partial_dir(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + PARTIAL_SUFFIX)
+
+
+def prepare(out: str | Path, overwrite: bool) -> Path:
+    """Check `out` may be written and return a fresh, empty `<out>.partial` to write into."""
+    check_writable(out, overwrite)
+    partial = partial_dir(out)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def publish(partial: Path, out: str | Path) -> Path:
+    """Move a complete `.partial` folder into place: the last step of every writer."""
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
+    return out
+
+
+def write_config(folder: Path, model: ModelConfig, dtype: torch.dtype, **provenance: Any) -> None:
+    (folder / CONFIG_FILE).write_text(json.dumps(
+        {"model": asdict(model), "dtype": DTYPE_NAMES[dtype], "format": "torch_dist"} | provenance, indent=2))
+
+
+def read_config(ckpt: str | Path) -> tuple[ModelConfig, torch.dtype]:
+    """The ModelConfig and dtype a cookbook checkpoint describes itself with."""
+    path = Path(ckpt) / CONFIG_FILE
+    if not path.exists():
+        hint = " (a .partial folder is an unfinished write)" if str(ckpt).endswith(PARTIAL_SUFFIX) else ""
+        raise FileNotFoundError(f"{ckpt} has no {CONFIG_FILE}: not a checkpoint written by the cookbook"
+                                f"{hint}; convert.hf_to_megatron and train.run write them.")
+    data = json.loads(path.read_text())
+    return ModelConfig(**data["model"]), {v: k for k, v in DTYPE_NAMES.items()}[data["dtype"]]
+
+
+def copy_assets(src: Path, dst: Path) -> list[str]:
+    """Copy the Hugging Face config and tokenizer files that exist in `src` into `dst`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = [name for name in ASSET_FILES if (src / name).exists()]
+    for name in copied:
+        shutil.copy2(src / name, dst / name)
+    return copied
+
+
+def _state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    # Megatron-LM's convention: "model" for one chunk, "model0", "model1", ... with virtual pipeline.
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dtype: torch.dtype, *,
+         assets: Path | None = None, **provenance: Any) -> Path:
+    """Save this rank's model chunks (collective: every rank calls it) into `out`, atomically."""
+    from megatron.core import dist_checkpointing
+
+    partial = partial_dir(out)
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_state(chunks), str(partial))
+    torch.distributed.barrier()
+    if rank0:
+        write_config(partial, model, dtype, **provenance)
+        if assets is not None and assets.exists():
+            copy_assets(assets, partial / HF_ASSETS)
+        publish(partial, out)
+    torch.distributed.barrier()
+    return Path(out)
+
+
+def load(chunks: list[torch.nn.Module], ckpt: str | Path) -> None:
+    """Load a checkpoint into this rank's model chunks, whatever layout it was saved at."""
+    from megatron.core import dist_checkpointing
+
+    read_config(ckpt)  # a clear error for a folder that is not a (finished) cookbook checkpoint
+    state = dist_checkpointing.load(_state(chunks), str(ckpt))
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state["model"])
+        return
+    for i, chunk in enumerate(chunks):  # virtual PP: all chunks were loaded in one call
+        chunk.load_state_dict(state[f"model{i}"])
