@@ -356,6 +356,21 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
     return {"shards": len(files), "tensors": len(weight_map), "bytes": total, "assets": copied}
 
 
+def compare_hf_checkpoints(a: str | Path, b: str | Path) -> dict[str, Any]:
+    """Tensor-by-tensor bitwise comparison of two HF folders (one tensor pair in memory at a time)."""
+    from safetensors import safe_open
+
+    left, right = inspect_hf(a), inspect_hf(b)
+    different = sorted(set(left.tensors) ^ set(right.tensors))
+    for name in sorted(set(left.tensors) & set(right.tensors)):
+        with safe_open(left.folder / left.tensors[name][0], "pt") as f, \
+                safe_open(right.folder / right.tensors[name][0], "pt") as g:
+            x, y = f.get_tensor(name), g.get_tensor(name)
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+            different.append(name)
+    return {"tensors": len(left.tensors), "bitwise_identical": not different, "different": different}
+
+
 # --------------------------------------------------------------------------------------------------
 # Notebook / script API and the worker entry
 # --------------------------------------------------------------------------------------------------
@@ -458,6 +473,9 @@ def _worker(_marker: str, direction: str, src: str, dst: str, *extra: str) -> di
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     runtime.init_distributed(parallel, seed=0)
+    import psutil
+
+    rss_before_mb = psutil.Process().memory_info().rss / 2**20  # torch + Megatron-Core imported, nothing loaded
     try:
         start = time.perf_counter()
         if direction == "hf2mcore":
@@ -467,7 +485,7 @@ def _worker(_marker: str, direction: str, src: str, dst: str, *extra: str) -> di
         else:
             result = _reshard_worker(Path(src), Path(dst), *extra)
         # ru_maxrss is in KiB on Linux
-        return result | {"seconds": time.perf_counter() - start,
+        return result | {"seconds": time.perf_counter() - start, "rss_before_mb": rss_before_mb,
                          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     finally:
         runtime.destroy_distributed()

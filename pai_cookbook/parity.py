@@ -96,43 +96,73 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
 
 def check(hf_dir: str | Path, ckpt: str | Path, parallel: ParallelConfig | None = None, *,
           run_dir: str | Path = "runs/parity", batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ) -> dict[str, Any]:
-    """Parity of the checkpoint `ckpt` loaded at layout `parallel` against the HF model in `hf_dir`.
+    """Parity of the checkpoint `ckpt` loaded at layout `parallel` against the HF model in `hf_dir`."""
+    return check_layouts(hf_dir, ckpt, [parallel or ParallelConfig()], run_dir=run_dir, batch=batch, seq=seq)[0]
 
-    Runs the smallest number of processes that holds the layout (`convert.layout_world_size`).
+
+def check_layouts(hf_dir: str | Path, ckpt: str | Path, layouts: list[ParallelConfig], *,
+                  run_dir: str | Path = "runs/parity", batch: int = DEFAULT_BATCH,
+                  seq: int = DEFAULT_SEQ) -> list[dict[str, Any]]:
+    """Parity at several layouts in one torchrun launch: Megatron-Core's parallel state is rebuilt per
+    layout inside one process group, and the Hugging Face logits are computed once.
+
+    Runs the smallest world that holds every layout (the lcm of `convert.layout_world_size`); every
+    layout is validated against the model and that world before anything starts.
     """
+    import json
+    import math
+
     from pai_cookbook import launch
     from pai_cookbook.convert import layout_world_size
 
-    parallel = parallel or ParallelConfig()
     model, _ = checkpoint.read_config(ckpt)
-    ep = parallel.expert_model_parallel_size
-    world = layout_world_size(parallel)
-    config = RunConfig(model=model, parallel=parallel,
-                       data=DataConfig(seq_length=seq, micro_batch_size=batch,
-                                       global_batch_size=batch * world // parallel.model_parallel_size))
-    result = launch.launch("pai_cookbook.parity", config, nproc_per_node=world, args=[str(hf_dir), str(ckpt)],
+    world = math.lcm(*(layout_world_size(p) for p in layouts))
+    device = runtime.detect_device()
+    configs = [_config(model, p, world, batch, seq) for p in layouts]
+    for config in configs:
+        config.validate(world, device)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "layouts.json").write_text(json.dumps([json.loads(c.to_json()) for c in configs]))
+    result = launch.launch("pai_cookbook.parity", nproc_per_node=world,
+                           args=[str(run_dir / "layouts.json"), str(hf_dir), str(ckpt)],
                            run_dir=run_dir, echo=False, show_progress=False)
-    result.pop("events")
-    return result | {"tp": parallel.tensor_model_parallel_size, "pp": parallel.pipeline_model_parallel_size,
-                     "ep": ep, "processes": world}
+    return [row | {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+                   "ep": p.expert_model_parallel_size, "processes": world}
+            for row, p in zip(result["rows"], layouts)]
+
+
+def _config(model, parallel: ParallelConfig, world: int, batch: int, seq: int) -> RunConfig:
+    dp = world // parallel.model_parallel_size
+    return RunConfig(model=model, parallel=parallel,
+                     data=DataConfig(seq_length=seq, micro_batch_size=batch, global_batch_size=batch * dp))
 
 
 @worker.entry
-def main(config_path: str, hf_dir: str, ckpt: str) -> dict[str, Any] | None:
+def main(layouts_path: str, hf_dir: str, ckpt: str) -> dict[str, Any] | None:
+    import json
+
+    from megatron.core import parallel_state
+
     from pai_cookbook.model import build_model
 
-    config = RunConfig.load(config_path)
-    device = runtime.init_distributed(config.parallel, config.seed)
+    configs = [RunConfig.from_json(json.dumps(c)) for c in json.loads(Path(layouts_path).read_text())]
+    tokens = token_batch(Path(ckpt) / checkpoint.HF_ASSETS, configs[0].data.micro_batch_size,
+                         configs[0].data.seq_length)
+    reference = hf_logits(hf_dir, tokens) if worker.rank() == 0 else None
+    rows = []
     try:
-        chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
-        checkpoint.load(chunks, ckpt)
-        for chunk in chunks:
-            chunk.eval()
-        tokens = token_batch(Path(ckpt) / checkpoint.HF_ASSETS, config.data.micro_batch_size, config.data.seq_length)
-        logits = megatron_logits(chunks, tokens)
-        if logits is None:
-            return None
-        return compare_logits(hf_logits(hf_dir, tokens), logits[..., :config.model.vocab_size], tokens)
+        for config in configs:
+            device = runtime.init_distributed(config.parallel, config.seed)  # joins the group once
+            chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
+            checkpoint.load(chunks, ckpt)
+            for chunk in chunks:
+                chunk.eval()
+            logits = megatron_logits(chunks, tokens)
+            if reference is not None:
+                rows.append(compare_logits(reference, logits[..., :config.model.vocab_size], tokens))
+            parallel_state.destroy_model_parallel()  # the next layout builds its own groups
+        return {"rows": rows} if worker.rank() == 0 else None
     finally:
         runtime.destroy_distributed()
 

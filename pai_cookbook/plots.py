@@ -31,3 +31,25 @@ def loss_curves(curves: Mapping[str, Sequence[float]], path: str | Path | None =
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
+
+
+def parity_bars(rows: Sequence[dict], bound: float, path: str | Path | None = None,
+                title: str = "Megatron-Core vs Hugging Face logits"):
+    """Max |logit difference| per layout on a log scale, with the bound it must stay under."""
+    import matplotlib.pyplot as plt
+
+    labels = [f"TP{r['tp']} PP{r['pp']} EP{r['ep']}" for r in rows]
+    values = [max(r["max_abs_diff"], 1e-12) for r in rows]  # exact zero cannot sit on a log axis
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.bar(labels, values, color="tab:blue")
+    ax.axhline(bound, color="tab:red", linestyle="--", label=f"bound {bound:g}")
+    ax.set_yscale("log")
+    ax.set_ylim(1e-10, bound * 10)  # fp32 rounding (~1e-7) sits three decades under the bound
+    ax.set_ylabel("max |logit difference|")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    return fig

@@ -36,6 +36,16 @@ def compare_curves(reference: Sequence[float], other: Sequence[float]) -> dict[s
     return {"max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs), "steps": len(diffs)}
 
 
+def parity_markdown(rows: list[dict[str, Any]]) -> str:
+    """`parity.check` results as a Markdown table, one layout per row."""
+    head = ("| layout | processes | cosine | max abs diff | mean abs diff | argmax agree | loss HF | loss Megatron |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(
+        f"| TP{r['tp']} PP{r['pp']} EP{r['ep']} | {r['processes']} | {r['cosine']:.9f} | {r['max_abs_diff']:.2e} | "
+        f"{r['mean_abs_diff']:.2e} | {r['argmax_agreement']:.0%} | {r['hf_loss']:.6f} | {r['megatron_loss']:.6f} |"
+        for r in rows)
+
+
 def save_metrics(output_dir: str | Path, metrics: dict[str, Any]) -> Path:
     """Write the notebook's headline figures to output_dir/metrics.json (NaN/inf refused)."""
     bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]

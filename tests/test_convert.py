@@ -49,14 +49,16 @@ def assert_parity(r: dict) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("family, layout", [(f, l) for f in families.supported() for l in LAYOUTS]
-                         + [(f, l) for f in sorted(MOE) for l in MOE_LAYOUTS], ids=str)
-def test_logits_match_transformers(family, layout, converted, tmp_path):
+@pytest.mark.parametrize("family", families.supported())
+def test_logits_match_transformers_at_every_layout(family, converted, tmp_path):
     hf, ckpt, _ = converted[family]
-    tp, pp, ep = layout
-    r = parity.check(hf, ckpt, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                              expert_model_parallel_size=ep), run_dir=tmp_path)
-    assert_parity(r)
+    layouts = LAYOUTS + (MOE_LAYOUTS if family in MOE else [])
+    rows = parity.check_layouts(hf, ckpt, [ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                          expert_model_parallel_size=ep) for tp, pp, ep in layouts],
+                                run_dir=tmp_path)
+    assert [(r["tp"], r["pp"], r["ep"]) for r in rows] == layouts
+    for row in rows:
+        assert_parity(row)
 
 
 @pytest.mark.parametrize("family", families.supported())

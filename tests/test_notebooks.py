@@ -15,8 +15,17 @@ def check_quickstart(m: dict) -> None:
     assert m["tokens_per_s_tp1"] > 0 and m["tokens_per_s_tpn"] > 0
 
 
+def check_convert(m: dict) -> None:
+    # The conversion's parity bounds (issue acceptance), over TP1, TP2, PP2 and the resharded checkpoint.
+    assert m["layouts"] >= 4
+    assert m["min_cosine"] >= 0.99999 and m["max_abs_diff"] <= 1e-4 and m["min_argmax_agreement"] == 1.0
+    assert m["max_loss_diff"] <= 1e-5
+    assert m["round_trip_bitwise_identical"] and m["round_trip_tensors"] > 0
+
+
 CHECKS = {
     "00_quickstart": check_quickstart,
+    "01_convert_checkpoint": check_convert,
 }
 
 

@@ -1,0 +1,78 @@
+"""Benchmark checkpoint conversion: time and peak memory in both directions, next to a plain `cp`.
+
+    python scripts/benchmark_convert.py [--workdir /tmp/convert-bench] [--shard-size 200MB]
+
+Builds a ~1 GB Llama-style Hugging Face checkpoint (bf16, 8 layers, width 2048, vocab 32000: 536M
+parameters) in several shards, then prints, per direction: seconds, seconds of `cp -r` of the same
+files, their ratio, and the conversion worker's peak RSS against (RSS after imports + largest shard).
+Not a test: figures depend on the disk and the page cache (the files were just written, so both the
+conversion and `cp` read them from cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+BENCH_CONFIG = {"num_hidden_layers": 8, "hidden_size": 2048, "intermediate_size": 5504, "num_attention_heads": 16,
+                "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 4096}
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def timed_cp(src: Path, dst: Path) -> float:
+    shutil.rmtree(dst, ignore_errors=True)
+    start = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from pai_cookbook import convert
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/convert-bench"))
+    parser.add_argument("--shard-size", default="200MB")
+    opts = parser.parse_args()
+    work = opts.workdir
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    hf = work / "hf"
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**BENCH_CONFIG), dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(hf, max_shard_size=opts.shard_size)
+    del model
+    source = convert.inspect_hf(hf)
+    largest_mb = source.largest_shard_bytes / 2**20
+    print(f"checkpoint: {params / 1e6:.0f}M params, {folder_bytes(hf) / 2**30:.2f} GiB in "
+          f"{len(list(hf.glob('*.safetensors')))} shards, largest {largest_mb:.0f} MiB")
+
+    rows = []
+    cp_hf = timed_cp(hf, work / "cp_hf")
+    to_mcore = convert.hf_to_megatron(hf, work / "mcore", run_dir=work / "logs1")
+    rows.append(("HF -> Megatron", to_mcore, cp_hf))
+    cp_mcore = timed_cp(work / "mcore", work / "cp_mcore")
+    to_hf = convert.megatron_to_hf(work / "mcore", work / "hf_back", max_shard_bytes=source.largest_shard_bytes,
+                                   run_dir=work / "logs2")
+    rows.append(("Megatron -> HF", to_hf, cp_mcore))
+    print(f"{'direction':16s} {'seconds':>8s} {'cp s':>6s} {'ratio':>6s} {'peak RSS MB':>12s} "
+          f"{'RSS after imports':>18s} {'+ largest shard':>16s}")
+    for name, result, cp_s in rows:
+        bound = result["rss_before_mb"] + largest_mb
+        print(f"{name:16s} {result['seconds']:8.2f} {cp_s:6.2f} {result['seconds'] / cp_s:6.1f} "
+              f"{result['peak_rss_mb']:12.0f} {result['rss_before_mb']:18.0f} {bound:16.0f}")
+    identical = convert.compare_hf_checkpoints(hf, work / "hf_back")["bitwise_identical"]
+    print(f"round trip bitwise identical: {identical}")
+
+
+if __name__ == "__main__":
+    main()
