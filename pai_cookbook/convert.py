@@ -25,7 +25,6 @@ import json
 import math
 import struct
 import sys
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,23 +216,30 @@ def _lazy_planner(model: ModelConfig, read: _HFReader, chunks: list[Chunk], padd
     from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
     by_index = {(c.key, c.offsets): c for c in chunks}
+    pending: dict[str, int] = {}
+    for c in chunks:
+        pending[c.param] = pending.get(c.param, 0) + 1
 
     class LazyPlanner(MCoreSavePlanner):
-        cache: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        # Parameters being written; one is dropped as soon as its last chunk (fc1 has two) is written,
+        # so the working set is about one parameter whatever order DCP writes in.
+        live: dict[str, torch.Tensor] = {}
 
         def param(self, name: str) -> torch.Tensor:
-            if name not in self.cache:
+            if name not in self.live:
                 kind, hf_names = hf_mapping.hf_names(name, model)
-                self.cache[name] = hf_mapping.to_megatron(kind, [read(n) for n in hf_names], model, padded_vocab)
-                while len(self.cache) > 2:  # fc1's gate and up halves are written near each other
-                    self.cache.popitem(last=False)
-            return self.cache[name]
+                self.live[name] = hf_mapping.to_megatron(kind, [read(n) for n in hf_names], model, padded_vocab)
+            return self.live[name]
 
         def resolve_data(self, write_item):
             chunk = by_index.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
             if chunk is None:  # bytes (extra state): real, tiny, already in the state dict
                 return super().resolve_data(write_item)
-            return self.param(chunk.param).as_strided(*chunk.view).reshape(chunk.sizes).contiguous()
+            data = self.param(chunk.param).as_strided(*chunk.view).reshape(chunk.sizes).contiguous()
+            pending[chunk.param] -= 1
+            if pending[chunk.param] == 0:
+                del self.live[chunk.param]
+            return data
 
     return LazyPlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
 
@@ -311,7 +317,7 @@ def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype):
         regions = {f"chunk{i}": (c.key, c.offsets) for i, c in enumerate(param_chunks)}
         load(state, storage_reader=FileSystemReader(str(ckpt)), planner=_region_planner(regions))
         for i, c in enumerate(param_chunks):
-            full.as_strided(*c.view).copy_(state[f"chunk{i}"].reshape(c.view[0]))
+            full.as_strided(*c.view).copy_(state.pop(f"chunk{i}").reshape(c.view[0]))
         yield name, full
 
 

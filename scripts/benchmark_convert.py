@@ -2,9 +2,11 @@
 
     python scripts/benchmark_convert.py [--workdir /tmp/convert-bench] [--shard-size 200MB]
 
-Builds a ~1 GB Llama-style Hugging Face checkpoint (bf16, 8 layers, width 2048, vocab 32000: 536M
-parameters) in several shards, then prints, per direction: seconds, seconds of `cp -r` of the same
-files, their ratio, and the conversion worker's peak RSS against (RSS after imports + largest shard).
+Builds Llama-style Hugging Face checkpoints (bf16, width 2048, vocab 32000) of 8 and 16 layers
+(~0.9 and ~1.6 GiB) in 200 MB shards, then prints, per size and direction: seconds, seconds of
+`cp -r` of the same files, their ratio, and the conversion worker's peak RSS next to its RSS right
+after importing torch and Megatron-Core and the largest shard. Two sizes show whether memory grows
+with the model (it should not: conversion streams one parameter at a time).
 Not a test: figures depend on the disk and the page cache (the files were just written, so both the
 conversion and `cp` read them from cache).
 """
@@ -35,26 +37,33 @@ def timed_cp(src: Path, dst: Path) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/convert-bench"))
+    parser.add_argument("--shard-size", default="200MB")
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 16])
+    opts = parser.parse_args()
+    print(f"{"model":26s} {'direction':16s} {'seconds':>8s} {'cp s':>6s} {'ratio':>6s} {'peak RSS MB':>12s} "
+          f"{'RSS after imports':>18s} {'largest shard MB':>17s}")
+    for layers in opts.layers:
+        bench_one(opts.workdir / f"layers{layers}", layers, opts.shard_size)
+
+
+def bench_one(work: Path, layers: int, shard_size: str) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from pai_cookbook import convert
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/convert-bench"))
-    parser.add_argument("--shard-size", default="200MB")
-    opts = parser.parse_args()
-    work = opts.workdir
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     hf = work / "hf"
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**BENCH_CONFIG), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**BENCH_CONFIG | {"num_hidden_layers": layers}),
+                                             dtype=torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(hf, max_shard_size=opts.shard_size)
+    model.save_pretrained(hf, max_shard_size=shard_size)
     del model
     source = convert.inspect_hf(hf)
     largest_mb = source.largest_shard_bytes / 2**20
-    print(f"checkpoint: {params / 1e6:.0f}M params, {folder_bytes(hf) / 2**30:.2f} GiB in "
-          f"{len(list(hf.glob('*.safetensors')))} shards, largest {largest_mb:.0f} MiB")
+    label = f"{params / 1e6:.0f}M, {folder_bytes(hf) / 2**30:.2f} GiB, {len(list(hf.glob('*.safetensors')))} shards"
 
     rows = []
     cp_hf = timed_cp(hf, work / "cp_hf")
@@ -64,14 +73,12 @@ def main() -> None:
     to_hf = convert.megatron_to_hf(work / "mcore", work / "hf_back", max_shard_bytes=source.largest_shard_bytes,
                                    run_dir=work / "logs2")
     rows.append(("Megatron -> HF", to_hf, cp_mcore))
-    print(f"{'direction':16s} {'seconds':>8s} {'cp s':>6s} {'ratio':>6s} {'peak RSS MB':>12s} "
-          f"{'RSS after imports':>18s} {'+ largest shard':>16s}")
     for name, result, cp_s in rows:
-        bound = result["rss_before_mb"] + largest_mb
-        print(f"{name:16s} {result['seconds']:8.2f} {cp_s:6.2f} {result['seconds'] / cp_s:6.1f} "
-              f"{result['peak_rss_mb']:12.0f} {result['rss_before_mb']:18.0f} {bound:16.0f}")
+        print(f"{label:26s} {name:16s} {result['seconds']:8.2f} {cp_s:6.2f} {result['seconds'] / cp_s:6.1f} "
+              f"{result['peak_rss_mb']:12.0f} {result['rss_before_mb']:18.0f} {largest_mb:17.0f}")
     identical = convert.compare_hf_checkpoints(hf, work / "hf_back")["bitwise_identical"]
-    print(f"round trip bitwise identical: {identical}")
+    print(f"{label:26s} round trip bitwise identical: {identical}")
+    shutil.rmtree(work)
 
 
 if __name__ == "__main__":
