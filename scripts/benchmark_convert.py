@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--shard-size", default="200MB")
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 16])
     opts = parser.parse_args()
-    print(f"{"model":26s} {'direction':16s} {'seconds':>8s} {'cp s':>6s} {'ratio':>6s} {'peak RSS MB':>12s} "
+    print(f"{'model':26s} {'direction':16s} {'seconds':>8s} {'cp s':>6s} {'ratio':>6s} {'peak RSS MB':>12s} "
           f"{'RSS after imports':>18s} {'largest shard MB':>17s}")
     for layers in opts.layers:
         bench_one(opts.workdir / f"layers{layers}", layers, opts.shard_size)
