@@ -297,12 +297,25 @@ class DataConfig:
     """Samples per forward/backward on one data-parallel rank."""
     global_batch_size: int = 8
     """Samples per optimizer step over all DP ranks; accumulation = global / (micro x DP)."""
-    source: Literal["synthetic"] = "synthetic"
-    """'synthetic': seeded arithmetic progressions (learnable), the same on every layout: for smoke tests
-    and parity checks. Tokenized corpora arrive with the data-preparation notebook."""
+    source: Literal["synthetic", "indexed"] = "synthetic"
+    """'indexed': Megatron-Core GPT datasets made by `data.prepare` (`paths`); 'synthetic': seeded
+    arithmetic progressions (learnable), the same on every layout, for smoke tests and parity checks."""
+    paths: list[str] = field(default_factory=list)
+    """Dataset prefixes written by `data.prepare` (without .bin/.idx), with source='indexed'."""
+    weights: list[float] | None = None
+    """Blend weights, one per path (normalised by Megatron-Core); None blends by size."""
+    split: str = "98,2,0"
+    """Train, validation and test percentages of every dataset."""
 
     def __post_init__(self) -> None:
         _positive(self, "seq_length", "micro_batch_size", "global_batch_size")
+        _require(self.source != "indexed" or self.paths,
+                 "source='indexed' needs paths: the dataset prefixes written by data.prepare(...).")
+        _require(self.weights is None or len(self.weights) == len(self.paths),
+                 f"weights has {len(self.weights or [])} entries for {len(self.paths)} paths; give one per path.")
+        parts = self.split.split(",")
+        _require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
+                 f"split {self.split!r} must be three comma-separated numbers: train,valid,test (e.g. '98,2,0').")
 
 
 @dataclass(kw_only=True)
@@ -332,9 +345,13 @@ class RunConfig:
     """Seeds weights (same on every layout: weights are initialised whole, then split) and data."""
     log_interval: int = 1
     """Steps between progress reports."""
+    eval_interval: int = 0
+    """Steps between validation-loss evaluations (and one at the end); 0 disables validation."""
+    eval_iters: int = 2
+    """Global batches of the validation split per evaluation."""
 
     def __post_init__(self) -> None:
-        _positive(self, "train_iters", "log_interval")
+        _positive(self, "train_iters", "log_interval", "eval_iters")
         _require(self.optimizer.lr_warmup_iters <= self.train_iters,
                  f"lr_warmup_iters {self.optimizer.lr_warmup_iters} exceeds train_iters {self.train_iters}.")
         _require(self.memory.recompute_granularity != "full" or

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from pai_cookbook import launch as launcher
-from pai_cookbook import checkpoint, runtime, worker
+from pai_cookbook import checkpoint, data, runtime, worker
 from pai_cookbook.config import RunConfig
 from pai_cookbook.model import build_model, torch_dtype
 from pai_cookbook.runtime import DeviceInfo
@@ -45,8 +45,8 @@ def synthetic_batches(config: RunConfig, step: int, dp_rank: int, dp_size: int) 
     tokens = (start + stride * torch.arange(data.seq_length + 1)) % config.model.vocab_size
     per_rank = data.global_batch_size // dp_size
     mine = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    return [{"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous()}
-            for mb in mine.split(data.micro_batch_size)]
+    return [{"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous(),
+             "loss_mask": torch.ones(mb.shape[0], data.seq_length)} for mb in mine.split(data.micro_batch_size)]
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -64,7 +64,7 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
     position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     output = model(tokens, position_ids, attention_mask=None, labels=labels)
-    return output, partial(_loss_func, torch.ones_like(labels))
+    return output, partial(_loss_func, batch["loss_mask"].to(device))
 
 
 def build(config: RunConfig, device: DeviceInfo):
@@ -117,28 +117,53 @@ def _global_mean_loss(reports: list[dict[str, torch.Tensor]]) -> float:
     return float(value.item())
 
 
-def train_step(config: RunConfig, model, optimizer, scheduler, step: int) -> dict[str, float]:
-    """One optimizer step over the global batch (gradient accumulation over micro-batches)."""
+def micro_batches(config: RunConfig, dataset: Any, step: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of global batch `step`, from the dataset or the synthetic source."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    micro_batches = synthetic_batches(config, step, dp_rank, dp_size)
+    if dataset is None:
+        return synthetic_batches(config, step, dp_rank, dp_size)
+    return data.global_batch(dataset, step, config.data.global_batch_size, config.data.micro_batch_size,
+                             dp_rank, dp_size)
+
+
+def _forward_backward(config: RunConfig, model, batches: list[dict[str, torch.Tensor]], forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     # One iterator per model chunk: with virtual pipeline each chunk consumes the same micro-batches.
-    iterators = [iter(micro_batches) for _ in model]
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    reports = get_forward_backward_func()(
+    iterators = [iter(batches) for _ in model]
+    return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(model) > 1 else iterators[0],
         model=model if len(model) > 1 else model[0],
-        num_microbatches=len(micro_batches),
+        num_microbatches=len(batches),
         seq_length=config.data.seq_length,
         micro_batch_size=config.data.micro_batch_size,
         decoder_seq_length=config.data.seq_length,
-        forward_only=False,
+        forward_only=forward_only,
     )
+
+
+def evaluate(config: RunConfig, model, dataset: Any) -> float:
+    """Mean validation loss over config.eval_iters global batches (forward only)."""
+    for chunk in model:
+        chunk.eval()
+    with torch.no_grad():
+        losses = [_global_mean_loss(_forward_backward(config, model, micro_batches(config, dataset, i), True))
+                  for i in range(config.eval_iters)]
+    for chunk in model:
+        chunk.train()
+    return sum(losses) / len(losses)
+
+
+def train_step(config: RunConfig, model, optimizer, scheduler, step: int, dataset: Any = None) -> dict[str, float]:
+    """One optimizer step over the global batch (gradient accumulation over micro-batches)."""
+    batches = micro_batches(config, dataset, step)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = _forward_backward(config, model, batches, forward_only=False)
     _, grad_norm, _ = optimizer.step()
     lr = optimizer.param_groups[0]["lr"]
     scheduler.step(increment=1)
@@ -150,12 +175,20 @@ def train_step(config: RunConfig, model, optimizer, scheduler, step: int) -> dic
 def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
     """Run config.train_iters steps; returns the per-step history and throughput."""
     model, optimizer, scheduler = build(config, device)
+    train_set = valid_set = None
+    if config.data.source == "indexed":
+        train_set, valid_set = data.build_datasets(config, config.eval_iters)
     tokens_per_step = config.data.global_batch_size * config.data.seq_length
     history: list[dict[str, float]] = []
+    valid_losses: list[tuple[int, float]] = []
     start = time.perf_counter()
     for step in range(config.train_iters):
-        history.append(train_step(config, model, optimizer, scheduler, step))
-        if worker.rank() == 0 and ((step + 1) % config.log_interval == 0 or step + 1 == config.train_iters):
+        history.append(train_step(config, model, optimizer, scheduler, step, train_set))
+        last = step + 1 == config.train_iters
+        if valid_set is not None and config.eval_interval and ((step + 1) % config.eval_interval == 0 or last):
+            valid_losses.append((step + 1, evaluate(config, model, valid_set)))
+            history[-1]["valid_loss"] = valid_losses[-1][1]
+        if worker.rank() == 0 and ((step + 1) % config.log_interval == 0 or last):
             worker.progress(step + 1, config.train_iters, **history[-1])
     elapsed = time.perf_counter() - start
     if config.checkpoint.save_dir:
@@ -165,6 +198,7 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
         "losses": [h["loss"] for h in history],
         "grad_norms": [h["grad_norm"] for h in history],
         "lrs": [h["lr"] for h in history],
+        "valid_losses": valid_losses,
         "tokens_per_s": tokens_per_step * config.train_iters / elapsed,
         "world_size": torch.distributed.get_world_size(),
         "device": device.name,
@@ -174,6 +208,8 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
 
 def preflight(config: RunConfig) -> None:
     """Checks that need this machine's filesystem, done before any worker starts."""
+    if config.data.source == "indexed":
+        data.check_for_training(config)
     if config.checkpoint.save_dir:
         checkpoint.check_writable(config.checkpoint.save_dir, config.checkpoint.overwrite,
                                   "checkpoint.overwrite=True")

@@ -1,0 +1,222 @@
+"""Data preparation: raw text or JSONL -> Megatron-Core indexed dataset (.bin/.idx).
+
+    summary = data.prepare(["corpus.jsonl"], "data/corpus", tokenizer_dir="ckpt/hf_assets")
+
+Documents are tokenized in a process pool (each worker loads the tokenizer once), an end-of-document
+token is appended to each, and Megatron-Core's `IndexedDatasetBuilder` writes the files that its
+`GPTDataset` reads for training. A sidecar `<prefix>.json` records the tokenizer and its vocabulary
+size, so training refuses a dataset tokenized with another vocabulary before any worker starts.
+
+Input formats: `.jsonl` (one JSON object per line, text in `text_field`) and `.txt` (documents
+separated by blank lines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+SIDECAR_SUFFIX = ".json"
+DOCS_PER_TASK = 64
+"""Documents per task sent to a tokenizer worker: large enough to amortise the inter-process hop."""
+
+_tokenizer = None  # one per pool worker
+
+
+class DataError(ValueError):
+    """Input data that cannot be prepared or trained on; the message says where and how to fix it."""
+
+
+def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
+    """Yield the documents of a .jsonl or .txt file, with the line number in any error."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"input {path} does not exist.")
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{number}: not valid JSON ({err.msg}); each line must be one object.") from None
+                if not isinstance(record, dict) or text_field not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{path}:{number}: no field {text_field!r} (found {keys}); set text_field.")
+                if record[text_field]:
+                    yield str(record[text_field])
+    elif path.suffix == ".txt":
+        paragraph: list[str] = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                paragraph.append(line)
+            elif paragraph:
+                yield "\n".join(paragraph)
+                paragraph = []
+        if paragraph:
+            yield "\n".join(paragraph)
+    else:
+        raise DataError(f"input {path} has suffix {path.suffix!r}; the cookbook reads .jsonl and .txt.")
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    global _tokenizer
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the pool is the parallelism
+    _tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _tokenize(documents: list[str]) -> list[list[int]]:
+    return _tokenizer(documents, add_special_tokens=False).input_ids
+
+
+def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for doc in documents:
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_dir: str | Path, *,
+            text_field: str = "text", workers: int = 2, append_eod: bool = True,
+            show_progress: bool = True) -> dict[str, Any]:
+    """Tokenize `inputs` into `<output_prefix>.bin/.idx` (+ `.json` sidecar).
+
+    Args:
+        inputs: .jsonl / .txt files, read in order.
+        output_prefix: path without suffix, e.g. "data/corpus".
+        tokenizer_dir: a Hugging Face tokenizer folder (a converted checkpoint's `hf_assets/` works).
+        workers: tokenizer processes.
+        append_eod: end each document with the tokenizer's EOS token (the GPT dataset's document separator).
+    Returns:
+        Summary: documents, tokens, seconds, tokens_per_s, files written.
+    Raises:
+        DataError: missing, empty or malformed input (with the line number).
+    """
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eod = tokenizer.eos_token_id
+    if append_eod and eod is None:
+        raise DataError(f"tokenizer in {tokenizer_dir} has no eos_token; set one or pass append_eod=False.")
+    for path in inputs:  # fail on a missing or malformed file before writing anything
+        if not any(True for _ in read_documents(path, text_field)):
+            raise DataError(f"input {path} has no documents (empty file or empty {text_field!r} fields).")
+    prefix = Path(output_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = prefix.with_name(prefix.name + ".partial")
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(len(tokenizer)))
+    documents = tokens = 0
+    start = time.perf_counter()
+    from tqdm.auto import tqdm
+
+    progress = tqdm(desc="tokenizing", unit="doc", disable=not show_progress)
+    # fork (Linux): workers need not re-import the caller's __main__, so a script without an
+    # `if __name__ == "__main__":` guard works too; they only tokenize (no torch, no threads shared).
+    context = get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
+        for path in inputs:
+            for ids_batch in pool.imap(_tokenize, _batches(read_documents(path, text_field), DOCS_PER_TASK)):
+                for ids in ids_batch:
+                    if append_eod:
+                        ids = ids + [eod]
+                    builder.add_document(np.asarray(ids), [len(ids)])
+                    tokens += len(ids)
+                documents += len(ids_batch)
+                progress.update(len(ids_batch))
+    progress.close()
+    builder.finalize(f"{tmp}.idx")
+    seconds = time.perf_counter() - start
+    summary = {"documents": documents, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+               "vocab_size": len(tokenizer), "eod": eod, "tokenizer": str(Path(tokenizer_dir).resolve()),
+               "inputs": [str(p) for p in inputs]}
+    for suffix in (".bin", ".idx"):  # the pair appears only when complete
+        os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    Path(f"{prefix}{SIDECAR_SUFFIX}").write_text(json.dumps(summary, indent=2))
+    return summary | {"files": [f"{prefix}.bin", f"{prefix}.idx"]}
+
+
+def describe(prefix: str | Path) -> dict[str, Any]:
+    """The sidecar summary of a prepared dataset; a clear error when the dataset is missing or empty."""
+    prefix = Path(prefix)
+    for suffix in (".bin", ".idx", SIDECAR_SUFFIX):
+        if not Path(f"{prefix}{suffix}").exists():
+            raise DataError(f"dataset {prefix} has no {prefix.name}{suffix}; prepare it with data.prepare(...).")
+    summary = json.loads(Path(f"{prefix}{SIDECAR_SUFFIX}").read_text())
+    if summary["tokens"] == 0:
+        raise DataError(f"dataset {prefix} holds no tokens; prepare it from non-empty inputs.")
+    return summary
+
+
+def _blend(config: Any) -> tuple[list[str], list[float] | None]:
+    return [str(p) for p in config.paths], (list(config.weights) if config.weights else None)
+
+
+def build_datasets(run: Any, eval_batches: int) -> tuple[Any, Any]:
+    """Megatron-Core GPT train and validation datasets for a RunConfig whose data.source is 'indexed'.
+
+    Sizes are in samples: train_iters x global batch for training and eval_batches x global batch
+    for validation; Megatron-Core's builder repeats the data in epochs as needed and mixes the blend.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    data = run.data
+    tokenizer_dir = describe(data.paths[0])["tokenizer"]
+    config = GPTDatasetConfig(
+        random_seed=run.seed, sequence_length=data.seq_length, blend=_blend(data), split=data.split,
+        tokenizer=MegatronTokenizer.from_pretrained(tokenizer_dir, metadata_path={"library": "huggingface"}),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False,  # the attention is causal; no mask tensor needed
+        path_to_cache=None, mmap_bin_files=True,
+    )
+    samples = [run.train_iters * data.global_batch_size, max(eval_batches, 1) * data.global_batch_size, 0]
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()
+    return train, valid
+
+
+def global_batch(dataset: Any, step: int, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int) -> list[dict[str, Any]]:
+    """This DP rank's micro-batches of global batch `step`: samples [step x GBS, (step + 1) x GBS).
+
+    The same samples at every layout (so layouts compare), and a resumed run continues exactly where
+    it stopped: the data position is the step number.
+    """
+    import torch
+
+    per_rank = global_batch_size // dp_size
+    first = step * global_batch_size + dp_rank * per_rank
+    samples = [dataset[first + i] for i in range(per_rank)]
+    stacked = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+               for key in ("tokens", "labels", "loss_mask")}
+    return [{key: value[i:i + micro_batch_size] for key, value in stacked.items()}
+            for i in range(0, per_rank, micro_batch_size)]
+
+
+def check_for_training(run: Any) -> None:
+    """Before launch: every dataset exists, is non-empty and was tokenized with a vocabulary that fits.
+
+    Raises:
+        DataError: naming the dataset and the fix.
+    """
+    for prefix in run.data.paths:
+        summary = describe(prefix)
+        if summary["vocab_size"] > run.model.vocab_size:
+            raise DataError(f"dataset {prefix} was tokenized with a {summary['vocab_size']}-token vocabulary "
+                            f"({summary['tokenizer']}), larger than the model's {run.model.vocab_size}: it was "
+                            f"prepared for another model. Prepare it again with this model's tokenizer.")
