@@ -126,3 +126,97 @@ def load(chunks: list[torch.nn.Module], ckpt: str | Path) -> None:
         return
     for i, chunk in enumerate(chunks):  # virtual PP: all chunks were loaded in one call
         chunk.load_state_dict(state[f"model{i}"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Training checkpoints: model + optimizer + LR schedule + step + RNG, in save_dir/iter_NNNNNNN
+# ------------------------------------------------------------------------------------------------
+ITER_PREFIX = "iter_"
+
+
+def iteration_dir(save_dir: str | Path, step: int) -> Path:
+    return Path(save_dir) / f"{ITER_PREFIX}{step:07d}"
+
+
+def finished_iterations(save_dir: str | Path) -> list[Path]:
+    """Complete training checkpoints in save_dir, oldest first (.partial folders are never listed)."""
+    folder = Path(save_dir)
+    if not folder.is_dir():
+        return []
+    done = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(ITER_PREFIX)
+            and p.name[len(ITER_PREFIX):].isdigit() and (p / CONFIG_FILE).exists()]
+    return sorted(done, key=lambda p: int(p.name[len(ITER_PREFIX):]))
+
+
+def saved_layout(ckpt: str | Path) -> dict[str, int] | None:
+    """The layout (tp, pp, ep, world) a training checkpoint was saved at; None for a weights-only one."""
+    return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("saved_at")
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _training_state(chunks, optimizer, scheduler, step: int, is_loading: bool) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = _state(chunks)
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    state["scheduler"] = scheduler.state_dict()
+    state["step"] = step
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    # One RNG state per rank: restored only at the same world size (checked before resuming).
+    state["rng"] = ShardedObject("rng_state", _rng_state() if not is_loading else None, (world,), (rank,),
+                                 replica_id=0)
+    return state
+
+
+def save_training(chunks, optimizer, scheduler, step: int, save_dir: str | Path, model: ModelConfig,
+                  dtype: torch.dtype, layout: dict[str, int], *, keep_last: int, assets: Path | None = None) -> Path:
+    """Save everything a run needs to continue exactly (collective), then keep only the last `keep_last`."""
+    from megatron.core import dist_checkpointing
+
+    out = iteration_dir(save_dir, step)
+    partial = partial_dir(out)
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_training_state(chunks, optimizer, scheduler, step, is_loading=False), str(partial))
+    torch.distributed.barrier()
+    if rank0:
+        write_config(partial, model, dtype, step=step, saved_at=layout)
+        if assets is not None and assets.exists():
+            copy_assets(assets, partial / HF_ASSETS)
+        publish(partial, out)
+        for old in finished_iterations(save_dir)[:-keep_last]:
+            shutil.rmtree(old)
+    torch.distributed.barrier()
+    return out
+
+
+def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
+    """Restore model, optimizer, LR schedule and RNG from a training checkpoint; returns its step."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = dist_checkpointing.load(_training_state(chunks, optimizer, scheduler, 0, is_loading=True), str(ckpt))
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state["model"])
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state[f"model{i}"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return int(state["step"])

@@ -320,12 +320,24 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    """Where the final weights go (Megatron-Core distributed checkpoint, torch_dist format)."""
+    """Where training starts from and where it saves (Megatron-Core torch_dist checkpoints)."""
 
+    load_dir: str | None = None
+    """Weights to start from: a converted (`convert.hf_to_megatron`) or trained checkpoint; None: from scratch."""
     save_dir: str | None = None
-    """Folder to save into at the end of training; None skips saving."""
+    """Folder of this run's checkpoints (save_dir/iter_NNNNNNN); None skips saving."""
+    save_interval: int = 0
+    """Steps between saves; 0 saves only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept in save_dir; older ones are deleted after each save."""
+    resume: bool = True
+    """Continue from the latest checkpoint in save_dir (model, optimizer, schedule, data position, RNG)."""
     overwrite: bool = False
-    """Replace a checkpoint already in save_dir instead of refusing."""
+    """With resume=False: delete what save_dir holds and start over, instead of refusing."""
+
+    def __post_init__(self) -> None:
+        _require(self.save_interval >= 0, f"save_interval must be >= 0, got {self.save_interval}.")
+        _positive(self, "keep_last")
 
 
 @dataclass(kw_only=True)

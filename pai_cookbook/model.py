@@ -185,8 +185,22 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             rope_scaling_factor=model.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         )
+        _params_to(gpt, config.params_dtype)
         if device.is_cuda:
             gpt.cuda(torch.cuda.current_device())
         chunks.append(gpt)
     return chunks
 
+
+
+def _params_to(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every parameter the configured dtype (buffers such as rotary frequencies stay fp32).
+
+    The local spec's norms are torch.nn.RMSNorm/LayerNorm, created in fp32 whatever params_dtype is
+    (Megatron-LM hides this by wrapping models in Float16Module). Left alone, a bf16 model would keep
+    fp32 norms that Megatron's mixed-precision optimizer cannot map in its checkpoint, and a bf16
+    Hugging Face checkpoint would be stored with fp32 norm weights.
+    """
+    for param in module.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)

@@ -11,6 +11,8 @@ launches the workers and returns the per-step losses.
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -20,7 +22,7 @@ import torch
 
 from pai_cookbook import launch as launcher
 from pai_cookbook import checkpoint, data, runtime, worker
-from pai_cookbook.config import RunConfig
+from pai_cookbook.config import ConfigError, RunConfig
 from pai_cookbook.model import build_model, torch_dtype
 from pai_cookbook.runtime import DeviceInfo
 
@@ -172,53 +174,114 @@ def train_step(config: RunConfig, model, optimizer, scheduler, step: int, datase
 
 
 
+def _layout(config: RunConfig) -> dict[str, int]:
+    p = config.parallel
+    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+            "vpp": p.virtual_pipeline_model_parallel_size or 1, "ep": p.expert_model_parallel_size,
+            "world": torch.distributed.get_world_size()}
+
+
+def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | None]:
+    """Resume from save_dir's latest checkpoint, or start from load_dir's weights; returns (step, source)."""
+    ckpt = config.checkpoint
+    modules = [m.module for m in model]
+    latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
+    if latest:
+        return checkpoint.load_training(modules, optimizer, scheduler, latest[0]), str(latest[0])
+    if ckpt.load_dir:
+        checkpoint.load(modules, ckpt.load_dir)
+        optimizer.reload_model_params()  # bf16: refresh the fp32 master copies from the loaded weights
+        return 0, ckpt.load_dir
+    return 0, None
+
+
 def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
-    """Run config.train_iters steps; returns the per-step history and throughput."""
+    """Run (or continue) training up to config.train_iters; returns this invocation's history."""
     model, optimizer, scheduler = build(config, device)
+    first_step, started_from = _restore(config, model, optimizer, scheduler)
     train_set = valid_set = None
     if config.data.source == "indexed":
         train_set, valid_set = data.build_datasets(config, config.eval_iters)
+    ckpt, dtype = config.checkpoint, torch_dtype(config.precision)
+    assets = Path(ckpt.load_dir) / checkpoint.HF_ASSETS if ckpt.load_dir else None
     tokens_per_step = config.data.global_batch_size * config.data.seq_length
     history: list[dict[str, float]] = []
     valid_losses: list[tuple[int, float]] = []
+    saved = None
     start = time.perf_counter()
-    for step in range(config.train_iters):
+    for step in range(first_step, config.train_iters):
         history.append(train_step(config, model, optimizer, scheduler, step, train_set))
-        last = step + 1 == config.train_iters
-        if valid_set is not None and config.eval_interval and ((step + 1) % config.eval_interval == 0 or last):
-            valid_losses.append((step + 1, evaluate(config, model, valid_set)))
+        done = step + 1
+        last = done == config.train_iters
+        if valid_set is not None and config.eval_interval and (done % config.eval_interval == 0 or last):
+            valid_losses.append((done, evaluate(config, model, valid_set)))
             history[-1]["valid_loss"] = valid_losses[-1][1]
-        if worker.rank() == 0 and ((step + 1) % config.log_interval == 0 or last):
-            worker.progress(step + 1, config.train_iters, **history[-1])
+        if ckpt.save_dir and (last or (ckpt.save_interval and done % ckpt.save_interval == 0)):
+            saved = checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir,
+                                             config.model, dtype, _layout(config), keep_last=ckpt.keep_last,
+                                             assets=assets)
+        if worker.rank() == 0 and (done % config.log_interval == 0 or last):
+            worker.progress(done, config.train_iters, **history[-1])
     elapsed = time.perf_counter() - start
-    if config.checkpoint.save_dir:
-        checkpoint.save([m.module for m in model], config.checkpoint.save_dir, config.model,
-                        torch_dtype(config.precision), steps=config.train_iters)
     return {
+        "first_step": first_step,
+        "started_from": started_from,
         "losses": [h["loss"] for h in history],
         "grad_norms": [h["grad_norm"] for h in history],
         "lrs": [h["lr"] for h in history],
         "valid_losses": valid_losses,
-        "tokens_per_s": tokens_per_step * config.train_iters / elapsed,
+        "tokens_per_s": tokens_per_step * len(history) / elapsed if history else 0.0,
         "world_size": torch.distributed.get_world_size(),
         "device": device.name,
-        "checkpoint": config.checkpoint.save_dir,
+        "checkpoint": str(saved) if saved else None,
     }
 
 
-def preflight(config: RunConfig) -> None:
-    """Checks that need this machine's filesystem, done before any worker starts."""
+def preflight(config: RunConfig, world_size: int) -> None:
+    """Checks that need this machine's filesystem, done before any worker starts.
+
+    Raises:
+        ConfigError / DataError / FileExistsError: naming the problem and the fix.
+    """
+    ckpt = config.checkpoint
     if config.data.source == "indexed":
         data.check_for_training(config)
-    if config.checkpoint.save_dir:
-        checkpoint.check_writable(config.checkpoint.save_dir, config.checkpoint.overwrite,
-                                  "checkpoint.overwrite=True")
+    if ckpt.load_dir:
+        loaded, _ = checkpoint.read_config(ckpt.load_dir)
+        differ = [f.name for f in dataclasses.fields(loaded)
+                  if getattr(loaded, f.name) != getattr(config.model, f.name) and f.name not in _TRAINING_ONLY]
+        if differ:
+            raise ConfigError(f"checkpoint.load_dir {ckpt.load_dir} holds a model that differs from config.model in "
+                              f"{differ}; build config.model with checkpoint.read_config(load_dir)[0].")
+    if not ckpt.save_dir:
+        return
+    latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:]
+    if latest and ckpt.resume:
+        layout = checkpoint.saved_layout(latest[0]) or {}
+        p = config.parallel
+        wanted = {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+                  "vpp": p.virtual_pipeline_model_parallel_size or 1, "ep": p.expert_model_parallel_size,
+                  "world": world_size}
+        if layout != wanted:
+            raise ConfigError(f"cannot resume {latest[0]}: it was saved at {layout}, this run is {wanted}. Resume "
+                              f"at the saved layout, or start a new run from it with checkpoint.load_dir (weights "
+                              f"only; Megatron-Core reshards them) and another save_dir.")
+        return
+    if ckpt.overwrite:
+        shutil.rmtree(ckpt.save_dir, ignore_errors=True)
+        return
+    checkpoint.check_writable(ckpt.save_dir, False, "checkpoint.overwrite=True (or resume=True)")
+
+
+# ModelConfig fields that shape training but not the weights: a checkpoint may be trained on with others.
+_TRAINING_ONLY = {"hidden_dropout", "attention_dropout", "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                  "moe_router_load_balancing_type", "moe_token_dispatcher_type", "moe_grouped_gemm"}
 
 
 def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/train",
         **launch_kwargs: Any) -> dict[str, Any]:
     """Train under torchrun from a notebook or script; returns rank 0's result (losses, tokens/s)."""
-    preflight(config)
+    preflight(config, runtime.detect_launch_env().world_size(nproc_per_node))
     return launcher.launch("pai_cookbook.train", config, nproc_per_node=nproc_per_node, run_dir=run_dir,
                            **launch_kwargs)
 

@@ -182,3 +182,16 @@ def test_cli_exit_codes(tmp_path, tiny_llama):
                          str(tmp_path / "o"), "--tp", "2"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["chunks"] > 0 and checkpoint.read_config(tmp_path / "o")[0].family == "llama"
+
+
+@pytest.mark.multiproc
+def test_bf16_checkpoint_round_trips_and_matches(tmp_path):
+    # Most real checkpoints are bf16. Both sides compute in fp32 from the same bf16 weights.
+    hf = make_tiny_hf_model("qwen2", tmp_path / "hf", dtype=torch.bfloat16)
+    convert.hf_to_megatron(hf, tmp_path / "mcore")
+    assert checkpoint.read_config(tmp_path / "mcore")[1] == torch.bfloat16
+    convert.megatron_to_hf(tmp_path / "mcore", tmp_path / "back")
+    assert convert.compare_hf_checkpoints(hf, tmp_path / "back")["bitwise_identical"]
+    for row in parity.check_layouts(hf, tmp_path / "mcore", [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)],
+                                    run_dir=tmp_path / "parity"):
+        assert_parity(row)

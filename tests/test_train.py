@@ -1,9 +1,15 @@
 """The training worker: layout parity from one seed, atomic checkpoints, refusal to overwrite."""
 
+import dataclasses
+import subprocess
+import sys
+import time
+
+import psutil
 import pytest
 
 from pai_cookbook import checkpoint, train
-from pai_cookbook.config import CheckpointConfig, DataConfig, ParallelConfig
+from pai_cookbook.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
 from tests.conftest import tiny_run
 
 
@@ -24,18 +30,80 @@ def test_data_parallel_matches_single_process(run_scenario):
     assert dp2 == pytest.approx(reference, abs=1e-5)
 
 
-def test_checkpoint_is_saved_atomically_and_never_overwritten_silently(tmp_path):
+def test_checkpoints_are_saved_atomically_and_never_overwritten_silently(tmp_path):
     save_dir = tmp_path / "ckpt"
-    config = tiny_run(checkpoint=CheckpointConfig(save_dir=str(save_dir)), train_iters=1,
-                      data=DataConfig(seq_length=16, micro_batch_size=2, global_batch_size=2))
+    config = tiny_run(checkpoint=CheckpointConfig(save_dir=str(save_dir), save_interval=1, keep_last=2),
+                      train_iters=3, data=DataConfig(seq_length=16, micro_batch_size=2, global_batch_size=2))
     result = train.run(config, run_dir=tmp_path / "run", show_progress=False, echo=False)
-    assert result["checkpoint"] == str(save_dir)
-    model, _ = checkpoint.read_config(save_dir)  # self-describing
+    kept = checkpoint.finished_iterations(save_dir)
+    assert [p.name for p in kept] == ["iter_0000002", "iter_0000003"]  # keep_last=2
+    assert result["checkpoint"] == str(kept[-1])
+    model, _ = checkpoint.read_config(kept[-1])  # self-describing
     assert model == config.model
-    assert not checkpoint.partial_dir(save_dir).exists()
+    assert not list(save_dir.glob("*.partial"))
+    fresh = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=False))
     with pytest.raises(FileExistsError, match=r"already holds files.*checkpoint.overwrite=True"):
-        train.run(config, run_dir=tmp_path / "run2")
+        train.run(fresh, run_dir=tmp_path / "run2")
     assert not (tmp_path / "run2").exists(), "refused before any worker started"
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    for p in tree:
+        p.kill()
+    psutil.wait_procs(tree, timeout=30)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)], ids=["tp1", "tp2"])
+def test_killed_run_resumes_exactly(parallel, tmp_path):
+    """SIGKILL every process once a checkpoint exists; the resumed steps equal an uninterrupted run's."""
+    nproc, steps = parallel.tensor_model_parallel_size, 24
+
+    def config(save_dir):
+        return tiny_run(parallel=parallel, train_iters=steps,
+                        checkpoint=CheckpointConfig(save_dir=str(save_dir), save_interval=4, keep_last=10))
+    reference = train.run(config(tmp_path / "ref"), nproc_per_node=nproc, run_dir=tmp_path / "r0",
+                          show_progress=False, echo=False)["losses"]
+    config(tmp_path / "ckpt").save(tmp_path / "config.json")
+    code = (f"from pai_cookbook import train; from pai_cookbook.config import RunConfig; "
+            f"train.run(RunConfig.load({str(tmp_path / 'config.json')!r}), nproc_per_node={nproc}, "
+            f"run_dir={str(tmp_path / 'r1')!r}, show_progress=False, echo=False)")
+    victim = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not checkpoint.finished_iterations(tmp_path / "ckpt") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _kill_tree(victim)
+    kept = checkpoint.finished_iterations(tmp_path / "ckpt")
+    assert kept and kept[-1].name != f"iter_{steps:07d}", "the run must be killed before it finishes"
+    # A checkpoint interrupted mid-write is never what a resume loads.
+    (tmp_path / "ckpt" / f"iter_{steps - 1:07d}{checkpoint.PARTIAL_SUFFIX}").mkdir()
+    resumed = train.run(config(tmp_path / "ckpt"), nproc_per_node=nproc, run_dir=tmp_path / "r2",
+                        show_progress=False, echo=False)
+    first = resumed["first_step"]
+    assert resumed["started_from"] == str(kept[-1]) and 4 <= first < steps
+    assert resumed["losses"] == pytest.approx(reference[first:], abs=1e-5)
+
+
+def test_resume_at_another_layout_is_refused_before_launch(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    train.run(tiny_run(train_iters=1, checkpoint=CheckpointConfig(save_dir=str(save_dir))), run_dir=tmp_path / "r",
+              show_progress=False, echo=False)
+    other = tiny_run(train_iters=2, parallel=ParallelConfig(tensor_model_parallel_size=2),
+                     checkpoint=CheckpointConfig(save_dir=str(save_dir)))
+    with pytest.raises(ConfigError, match=r"cannot resume .*iter_0000001: it was saved at .*'tp': 1.*this run is "
+                                          r".*'tp': 2.*checkpoint.load_dir"):
+        train.run(other, nproc_per_node=2, run_dir=tmp_path / "r2")
+
+
+def test_starting_from_a_checkpoint_of_another_model_is_refused(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    train.run(tiny_run(train_iters=1, checkpoint=CheckpointConfig(save_dir=str(save_dir))), run_dir=tmp_path / "r",
+              show_progress=False, echo=False)
+    wider = tiny_run(model_overrides={"ffn_hidden_size": 256},
+                     checkpoint=CheckpointConfig(load_dir=str(checkpoint.finished_iterations(save_dir)[-1])))
+    with pytest.raises(ConfigError, match=r"differs from config.model in \['ffn_hidden_size'\]"):
+        train.run(wider, run_dir=tmp_path / "r2")
 
 
 def test_synthetic_batches_split_one_global_batch_over_dp_ranks():
