@@ -204,3 +204,27 @@ def _params_to(module: torch.nn.Module, dtype: torch.dtype) -> None:
     for param in module.parameters():
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
+
+
+def training_flops_per_token(model: ModelConfig, seq_length: int) -> float:
+    """Model FLOPs to train on one token: 3 x forward (forward + backward), PaLM-style accounting.
+
+    Forward per token: 2 FLOPs per multiply-add of every weight used (for MoE, the top-k routed experts
+    plus shared expert and router, not all experts) and 4 x seq x (heads x head_dim) per layer for the
+    attention scores and their weighted sum (counted without the causal half, as PaLM's MFU does).
+    """
+    h, layers = model.hidden_size, model.num_layers
+    q, kv = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
+    gated = 3 if model.activation == "swiglu" else 2
+    attention = h * (q + 2 * kv) + q * h
+    dense_mlp = gated * h * model.ffn_hidden_size
+    if model.is_moe:
+        freq = model.moe_layer_freq
+        moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))
+        moe_mlp = (model.moe_router_topk * gated * h * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
+                   + gated * h * (model.moe_shared_expert_intermediate_size or 0) + h * model.num_experts)
+        mlp_total = moe_layers * moe_mlp + (layers - moe_layers) * dense_mlp
+    else:
+        mlp_total = layers * dense_mlp
+    forward = 2 * (layers * attention + mlp_total + h * model.vocab_size) + 4 * layers * seq_length * q
+    return 3.0 * forward

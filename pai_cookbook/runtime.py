@@ -18,6 +18,7 @@ import importlib.util
 import os
 import platform
 import socket
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -191,3 +192,27 @@ def environment_report() -> dict[str, Any]:
     return {"python": platform.python_version(), "versions": versions, "device": asdict(device),
             "launch": asdict(launch) | {"kind": "multi-node job" if launch.multi_node else "single machine"},
             "runs_here": runs_here}
+
+
+PEAK_MATMUL_SIZE = 2048
+PEAK_MEASURE_S = 0.5
+
+
+def measure_matmul_peak(dtype: torch.dtype = torch.float32, seconds: float = PEAK_MEASURE_S) -> float:
+    """Dense matmul FLOP/s this process reaches (its device and threads), measured for `seconds`.
+
+    MFU is reported against this measured figure rather than a datasheet number, so a CPU run and a
+    GPU run are judged by what their hardware actually does.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(PEAK_MATMUL_SIZE, PEAK_MATMUL_SIZE, dtype=dtype, device=device)
+    b = torch.randn_like(a)
+    a @ b  # warm-up
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        runs += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+    flops_per_matmul = 2 * PEAK_MATMUL_SIZE ** 3
+    return runs * flops_per_matmul / (time.perf_counter() - start)

@@ -12,6 +12,8 @@ launches the workers and returns the per-step losses.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shutil
 import time
 from functools import partial
@@ -23,7 +25,7 @@ import torch
 from pai_cookbook import launch as launcher
 from pai_cookbook import checkpoint, data, runtime, worker
 from pai_cookbook.config import ConfigError, RunConfig
-from pai_cookbook.model import build_model, torch_dtype
+from pai_cookbook.model import build_model, torch_dtype, training_flops_per_token
 from pai_cookbook.runtime import DeviceInfo
 
 
@@ -174,6 +176,43 @@ def train_step(config: RunConfig, model, optimizer, scheduler, step: int, datase
 
 
 
+class StepLog:
+    """Per-step figures: tokens/s and MFU on every step, written by rank 0 to run_dir/metrics.jsonl and
+    to TensorBoard (run_dir/tensorboard) when the launcher gave a run folder."""
+
+    def __init__(self, config: RunConfig, device: DeviceInfo):
+        self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
+        self.flops_per_token = training_flops_per_token(config.model, config.data.seq_length)
+        # The world's peak: every rank measures its own device (and threads), then they are summed.
+        peak = torch.tensor([runtime.measure_matmul_peak(torch_dtype(config.precision))], dtype=torch.float64)
+        torch.distributed.all_reduce(peak.cuda() if device.is_cuda else peak)
+        self.peak_flops = float(peak.item())
+        self.jsonl = self.tensorboard = None
+        run_dir = os.environ.get(worker.RUN_DIR_ENV)
+        if run_dir and worker.rank() == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.jsonl = (Path(run_dir) / "metrics.jsonl").open("a")
+            self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def throughput(self, seconds: float) -> dict[str, float]:
+        tokens_per_s = self.tokens_per_step / seconds
+        return {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * self.flops_per_token / self.peak_flops}
+
+    def write(self, step: int, figures: dict[str, float]) -> None:
+        if self.jsonl is None:
+            return
+        self.jsonl.write(json.dumps({"step": step} | figures) + "\n")
+        self.jsonl.flush()
+        for name, value in figures.items():
+            self.tensorboard.add_scalar(f"train/{name}" if name != "valid_loss" else "valid/loss", value, step)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.tensorboard.close()
+
+
 def _layout(config: RunConfig) -> dict[str, int]:
     p = config.parallel
     return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
@@ -208,9 +247,12 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
     history: list[dict[str, float]] = []
     valid_losses: list[tuple[int, float]] = []
     saved = None
+    log = StepLog(config, device)
     start = time.perf_counter()
     for step in range(first_step, config.train_iters):
+        step_start = time.perf_counter()
         history.append(train_step(config, model, optimizer, scheduler, step, train_set))
+        history[-1] |= log.throughput(time.perf_counter() - step_start)
         done = step + 1
         last = done == config.train_iters
         if valid_set is not None and config.eval_interval and (done % config.eval_interval == 0 or last):
@@ -220,8 +262,10 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
             saved = checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir,
                                              config.model, dtype, _layout(config), keep_last=ckpt.keep_last,
                                              assets=assets)
+        log.write(done, history[-1])
         if worker.rank() == 0 and (done % config.log_interval == 0 or last):
-            worker.progress(done, config.train_iters, **history[-1])
+            worker.progress(done, config.train_iters, **{k: history[-1][k] for k in ("loss", "lr", "tokens_per_s")})
+    log.close()
     elapsed = time.perf_counter() - start
     return {
         "first_step": first_step,
@@ -231,6 +275,8 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
         "lrs": [h["lr"] for h in history],
         "valid_losses": valid_losses,
         "tokens_per_s": tokens_per_step * len(history) / elapsed if history else 0.0,
+        "mfu": [h["mfu"] for h in history],
+        "peak_flops": log.peak_flops,
         "world_size": torch.distributed.get_world_size(),
         "device": device.name,
         "checkpoint": str(saved) if saved else None,

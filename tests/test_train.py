@@ -1,6 +1,7 @@
 """The training worker: layout parity from one seed, atomic checkpoints, refusal to overwrite."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 import time
@@ -8,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from pai_cookbook import checkpoint, train
+from pai_cookbook import checkpoint, families, train
 from pai_cookbook.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
 from tests.conftest import tiny_run
 
@@ -115,3 +116,29 @@ def test_synthetic_batches_split_one_global_batch_over_dp_ranks():
     assert (labels[:-1] == tokens[1:]).all()
     stride = (tokens[1] - tokens[0]) % config.model.vocab_size
     assert ((tokens[1:] - tokens[:-1]) % config.model.vocab_size == stride).all()  # a progression
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_training_flops_are_six_per_weight_plus_attention(family):
+    # 6 FLOPs per matmul weight per token (2 forward + 4 backward), the input embedding being a lookup,
+    # plus 12 x layers x seq x (heads x head_dim) for attention scores and values.
+    import transformers
+
+    from pai_cookbook.model import training_flops_per_token
+    model, seq = families.tiny(family), 32
+    hf = transformers.AutoModelForCausalLM.from_config(families.to_hf(model))
+    # tied embeddings count once in num_parameters but are used twice: lookup (free) and lm head
+    matmul_weights = sum(p.numel() for n, p in hf.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+    if model.tie_word_embeddings:
+        matmul_weights += model.vocab_size * model.hidden_size
+    attention = 12 * model.num_layers * seq * model.num_attention_heads * model.head_dim
+    assert training_flops_per_token(model, seq) == 6 * matmul_weights + attention
+
+
+def test_step_log_is_written_per_step(tmp_path):
+    result = train.run(tiny_run(train_iters=3), run_dir=tmp_path, show_progress=False, echo=False)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert all(0 < x["mfu"] <= 1 and x["tokens_per_s"] > 0 for x in lines)
+    assert [x["loss"] for x in lines] == result["losses"]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
