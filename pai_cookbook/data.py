@@ -67,6 +67,32 @@ def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
         raise DataError(f"input {path} has suffix {path.suffix!r}; the cookbook reads .jsonl and .txt.")
 
 
+def write_default_corpus(path: str | Path) -> Path:
+    """Write the cookbook's default training corpus as JSONL and return its path.
+
+    English: the 79 topics of the Python language reference that CPython ships as `pydoc_data.topics`
+    (about 0.46 MB of prose and grammar; every machine with Python has it, no download). Chinese: the
+    paragraphs the cookbook wrote in data/tiny_corpus.txt. One document per topic or paragraph, in a
+    fixed shuffled order: Megatron-Core's split takes contiguous document ranges, so an unshuffled file
+    would put one language only into the validation split.
+    """
+    import random
+
+    from pydoc_data.topics import topics
+
+    from pai_cookbook.tiny_models import TOKENIZER_CORPUS
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = [{"text": topics[name], "source": f"pydoc_data.topics/{name}"} for name in sorted(topics)]
+    records += [{"text": doc, "source": "cookbook"} for doc in read_documents(TOKENIZER_CORPUS) if not doc.isascii()]
+    random.Random(0).shuffle(records)
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
 def _init_worker(tokenizer_dir: str) -> None:
     global _tokenizer
     from transformers import AutoTokenizer
@@ -166,6 +192,22 @@ def _blend(config: Any) -> tuple[list[str], list[float] | None]:
     return [str(p) for p in config.paths], (list(config.weights) if config.weights else None)
 
 
+def index_cache_dir(paths: Sequence[str | Path]) -> Path:
+    """Where Megatron-Core caches the sample index for these datasets, keyed by their content.
+
+    Megatron-Core's own cache key is the dataset config (paths, split, lengths, seed), not the data:
+    a corpus prepared again under the same prefix would silently reuse the old sample index (seen
+    here as 452-token "samples" of a 64-token run). Hashing the .idx files makes a new corpus a new key.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for prefix in paths:
+        digest.update(Path(f"{prefix}.idx").read_bytes())
+        digest.update(str(Path(f"{prefix}.bin").stat().st_size).encode())
+    return Path(paths[0]).parent / ".index_cache" / digest.hexdigest()[:16]
+
+
 def build_datasets(run: Any, eval_batches: int) -> tuple[Any, Any]:
     """Megatron-Core GPT train and validation datasets for a RunConfig whose data.source is 'indexed'.
 
@@ -183,7 +225,7 @@ def build_datasets(run: Any, eval_batches: int) -> tuple[Any, Any]:
         tokenizer=MegatronTokenizer.from_pretrained(tokenizer_dir, metadata_path={"library": "huggingface"}),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,  # the attention is causal; no mask tensor needed
-        path_to_cache=None, mmap_bin_files=True,
+        path_to_cache=str(index_cache_dir(data.paths)), mmap_bin_files=True,
     )
     samples = [run.train_iters * data.global_batch_size, max(eval_batches, 1) * data.global_batch_size, 0]
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()

@@ -37,8 +37,10 @@ LOG_TAIL_LINES = 40
 # shows (no TE/Apex here) or advising a CUDA setting; kept out of the notebook on the CPU path only.
 CPU_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
                        "When using async grad allreduce")
-# Megatron-Core's own default (cuda_graph_scope) triggers this deprecation on every device.
-ALWAYS_BENIGN_WARNINGS = ("full scope is deprecated",)
+# Deprecations raised inside Megatron-Core and torch's checkpoint code on every device (Megatron-Core's
+# default cuda_graph_scope; its use of torch DCP's load_state_dict and ShardedTensor): nothing to act on.
+ALWAYS_BENIGN_WARNINGS = ("full scope is deprecated", "`load_state_dict` is deprecated",
+                          "Please use DTensor instead")
 TERMINATE_GRACE_S = 5.0
 """Seconds workers get to exit after SIGTERM before SIGKILL."""
 # One entry of torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: ...)".

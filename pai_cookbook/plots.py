@@ -53,3 +53,25 @@ def parity_bars(rows: Sequence[dict], bound: float, path: str | Path | None = No
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
+
+
+def train_valid_loss(train: Sequence[float], valid: Sequence[Sequence[float]], path: str | Path | None = None,
+                     first_step: int = 0, title: str = "Continued pretraining"):
+    """Training loss per step with validation loss points ((step, loss) pairs) on the same axes."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot(range(first_step + 1, first_step + len(train) + 1), train, linewidth=1.2, label="train")
+    if valid:
+        steps, losses = zip(*valid)
+        ax.plot(steps, losses, "o-", color="tab:red", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    return fig
