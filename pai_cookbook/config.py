@@ -456,6 +456,19 @@ class RunConfig:
         return cls.from_json(Path(path).read_text())
 
 
+def with_token_budget(config: RunConfig, train_tokens: int, warmup_tokens: int = 0) -> RunConfig:
+    """The seed project's schedule in tokens: steps = tokens / (global batch x sequence length).
+
+    E.g. 1e9 train tokens at 256 x 4096 = 1,048,576 tokens per step -> 954 steps (rounded up).
+    """
+    per_step = config.data.global_batch_size * config.data.seq_length
+    _require(train_tokens >= per_step, f"train_tokens {train_tokens} is less than one step of {per_step} tokens "
+                                       f"(global_batch_size x seq_length); raise it or shrink the batch.")
+    _require(0 <= warmup_tokens <= train_tokens, f"warmup_tokens {warmup_tokens} must lie in [0, train_tokens].")
+    optimizer = dataclasses.replace(config.optimizer, lr_warmup_iters=round(warmup_tokens / per_step))
+    return dataclasses.replace(config, train_iters=math.ceil(train_tokens / per_step), optimizer=optimizer)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

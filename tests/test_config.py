@@ -130,3 +130,12 @@ def test_padded_vocab_is_a_multiple_of_128_times_tp():
     model = families.tiny(vocab_size=32_000)
     assert model.padded_vocab_size(1) == 32_000 and model.padded_vocab_size(2) == 32_000
     assert families.tiny(vocab_size=151_646).padded_vocab_size(4) == 152_064
+
+
+def test_token_budget_becomes_steps():
+    from pai_cookbook.config import with_token_budget
+    base = run(data=DataConfig(seq_length=64, micro_batch_size=2, global_batch_size=8))  # 512 tokens per step
+    config = with_token_budget(base, train_tokens=100_000, warmup_tokens=10_240)
+    assert config.train_iters == 196 and config.optimizer.lr_warmup_iters == 20  # ceil(100000 / 512), 10240 / 512
+    with pytest.raises(ConfigError, match=r"train_tokens 100 is less than one step of 512 tokens"):
+        with_token_budget(base, train_tokens=100)

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from pai_cookbook import checkpoint, families, train
-from pai_cookbook.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
+from pai_cookbook.config import CheckpointConfig, ConfigError, DataConfig, OptimizerConfig, ParallelConfig
 from tests.conftest import tiny_run
 
 
@@ -142,3 +142,32 @@ def test_step_log_is_written_per_step(tmp_path):
     assert all(0 < x["mfu"] <= 1 and x["tokens_per_s"] > 0 for x in lines)
     assert [x["loss"] for x in lines] == result["losses"]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from pai_cookbook import data
+    from pai_cookbook.tiny_models import make_tokenizer
+
+    folder = tmp_path_factory.mktemp("corpus")
+    make_tokenizer(256).save_pretrained(folder / "tokenizer")
+    data.prepare([data.write_default_corpus(folder / "corpus.jsonl")], folder / "ds", folder / "tokenizer",
+                 show_progress=False)
+    return folder / "ds"
+
+
+@pytest.mark.multiproc
+def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scenario):
+    def run(parallel, nproc):
+        config = tiny_run(parallel=parallel, train_iters=20, eval_interval=10, data=DataConfig(
+            source="indexed", paths=[str(corpus)], seq_length=32, micro_batch_size=2, global_batch_size=8),
+            optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2))
+        return run_scenario(config, nproc)
+
+    reference = run(ParallelConfig(), 1)
+    assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it learns
+    for parallel in (ParallelConfig(tensor_model_parallel_size=2), ParallelConfig(pipeline_model_parallel_size=2),
+                     ParallelConfig()):  # the last one at 2 processes is DP=2
+        other = run(parallel, 2)
+        assert other["losses"] == pytest.approx(reference["losses"], abs=1e-4), parallel
+        assert [v for _, v in other["valid_losses"]] == pytest.approx([v for _, v in reference["valid_losses"]], abs=1e-4)
