@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = sorted((ROOT / "scripts").glob("*.py")) + sorted((ROOT / "ci").glob("*.py"))
+SCRIPTS = sorted((ROOT / "scripts").rglob("*.py")) + sorted((ROOT / "ci").glob("*.py"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -1,0 +1,122 @@
+"""Benchmark training throughput: the cookbook's worker vs a minimal raw Megatron-Core loop vs Hugging
+Face `LlamaForCausalLM` with a plain PyTorch loop; same model, batch and precision, in one run.
+Also: data.prepare's tokens/s vs the tokenizer's own batch call.
+
+    python scripts/benchmark_train.py [--steps 12] [--seq 256] [--batch 8]
+
+Each figure is the median step time after 2 warm-up steps, as tokens/s. Not a test: the machine's
+own noise (about +-15% on a 2-core VM) is larger than the differences it is meant to show, so it
+prints figures and the cookbook/raw ratio rather than asserting on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+# An 8-layer Llama-style model, 512 wide, GQA 8/4 heads, 8k vocabulary: about 30M parameters.
+BENCH_MODEL = {"num_hidden_layers": 8, "hidden_size": 512, "intermediate_size": 1376, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 1024}
+
+
+def cookbook(config, steps: int, work: Path) -> float:
+    from pai_cookbook import train
+
+    train.run(config, run_dir=work / "cookbook", show_progress=False, echo=False)
+    lines = [json.loads(x) for x in (work / "cookbook" / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(x["tokens_per_s"] for x in lines[2:])
+
+
+def raw_megatron(config, steps: int, work: Path) -> float:
+    from pai_cookbook import runtime
+
+    path = config.save(work / "raw.json")
+    env = runtime.detect_launch_env()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr",
+                          env.master_addr, "--master-port", str(env.master_port),
+                          str(HERE / "bench_workers" / "raw_mcore.py"), str(path), str(steps)],
+                         capture_output=True, text=True, check=True,
+                         env=os.environ | {"OMP_NUM_THREADS": str(os.cpu_count()), "PYTHONWARNINGS": "ignore"})
+    step_s = json.loads(out.stdout.strip().splitlines()[-1])["median_step_s"]
+    return config.data.global_batch_size * config.data.seq_length / step_s
+
+
+def hugging_face(config, steps: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from pai_cookbook import families
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(families.to_hf(config.model), attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr)
+    d = config.data
+    tokens = torch.randint(0, config.model.vocab_size, (d.micro_batch_size, d.seq_length))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        for _ in range(d.global_batch_size // d.micro_batch_size):
+            model(tokens, labels=tokens).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return d.global_batch_size * d.seq_length / statistics.median(times[2:])
+
+
+def preprocessing(work: Path) -> tuple[float, float]:
+    from transformers import AutoTokenizer
+
+    from pai_cookbook import data
+    from pai_cookbook.tiny_models import make_tokenizer
+
+    make_tokenizer(256).save_pretrained(work / "tok")
+    corpus = data.write_default_corpus(work / "corpus.jsonl")
+    prepared = data.prepare([corpus], work / "ds", work / "tok", show_progress=False)
+    documents = list(data.read_documents(corpus))
+    tokenizer = AutoTokenizer.from_pretrained(work / "tok")
+    start = time.perf_counter()
+    tokens = sum(len(ids) for ids in tokenizer(documents, add_special_tokens=False).input_ids)
+    return prepared["tokens_per_s"], tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    from pai_cookbook import families
+    from pai_cookbook.config import DataConfig, OptimizerConfig, RunConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    opts = parser.parse_args()
+    model = families.from_hf(families.tiny_hf_config("llama", **BENCH_MODEL))
+    config = RunConfig(model=model, data=DataConfig(seq_length=opts.seq, micro_batch_size=opts.batch,
+                                                    global_batch_size=opts.batch),
+                       optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5), train_iters=opts.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        figures = {"cookbook worker": cookbook(config, opts.steps, work),
+                   "raw Megatron-Core loop": raw_megatron(config, opts.steps, work),
+                   "HF LlamaForCausalLM + PyTorch loop": hugging_face(config, opts.steps)}
+        prepare_rate, tokenizer_rate = preprocessing(work)
+    print(f"model: {model.num_layers} layers x {model.hidden_size}, vocab {model.vocab_size}; batch {opts.batch} x "
+          f"seq {opts.seq}, fp32, {opts.steps} steps (median after 2 warm-up), {os.cpu_count()} CPU threads")
+    for name, tokens_per_s in figures.items():
+        print(f"  {name:36s} {tokens_per_s:10,.0f} tokens/s")
+    ratio = figures["cookbook worker"] / figures["raw Megatron-Core loop"]
+    print(f"  cookbook / raw Megatron-Core: {ratio:.3f} (overhead {100 * (1 - ratio):+.1f}%)")
+    print(f"  data.prepare {prepare_rate:,.0f} tokens/s vs tokenizer batch call {tokenizer_rate:,.0f} tokens/s "
+          f"(ratio {prepare_rate / tokenizer_rate:.2f})")
+
+
+if __name__ == "__main__":
+    main()
