@@ -250,8 +250,19 @@ def global_batch(dataset: Any, step: int, global_batch_size: int, micro_batch_si
             for i in range(0, per_rank, micro_batch_size)]
 
 
+def split_documents(documents: int, split: str) -> list[int]:
+    """Documents per train/valid/test split, computed as Megatron-Core's builder does (rounded bounds)."""
+    weights = [float(x) for x in split.split(",")]
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w / sum(weights) * documents)))
+    bounds[-1] = documents
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
 def check_for_training(run: Any) -> None:
-    """Before launch: every dataset exists, is non-empty and was tokenized with a vocabulary that fits.
+    """Before launch: every dataset exists, is non-empty, has documents in every split the run reads,
+    and was tokenized with a vocabulary that fits.
 
     Raises:
         DataError: naming the dataset and the fix.
@@ -262,3 +273,11 @@ def check_for_training(run: Any) -> None:
             raise DataError(f"dataset {prefix} was tokenized with a {summary['vocab_size']}-token vocabulary "
                             f"({summary['tokenizer']}), larger than the model's {run.model.vocab_size}: it was "
                             f"prepared for another model. Prepare it again with this model's tokenizer.")
+        train_docs, valid_docs, _ = split_documents(summary["documents"], run.data.split)
+        # An empty split makes Megatron-Core's GPTDataset count epochs forever: refuse it here.
+        empty = [name for name, docs, used in (("train", train_docs, True), ("validation", valid_docs, True))
+                 if used and docs == 0]
+        if empty:
+            raise DataError(f"dataset {prefix} has {summary['documents']} documents; split {run.data.split!r} leaves "
+                            f"the {' and '.join(empty)} split empty. Use more documents or a split that gives each "
+                            f"at least one (e.g. '80,20,0').")

@@ -65,3 +65,35 @@ def test_training_refuses_missing_or_foreign_datasets_before_launch(tmp_path, to
     with pytest.raises(data.DataError, match=r"tokenized with a 256-token vocabulary .* larger than the model's 128"):
         train.run(_indexed([tmp_path / "ds"], vocab_size=128), run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_weighted_blend_draws_from_every_dataset_by_weight(tmp_path, tokenizer_dir):
+    import collections
+
+    from pai_cookbook import data
+    for name in ("a", "b"):
+        data.prepare([TOKENIZER_CORPUS], tmp_path / name, tokenizer_dir, show_progress=False)
+    config = RunConfig(model=families.tiny("llama"), train_iters=50, data=DataConfig(
+        source="indexed", paths=[str(tmp_path / "a"), str(tmp_path / "b")], weights=[0.75, 0.25], seq_length=16,
+        micro_batch_size=2, global_batch_size=8, split="80,20,0"))
+    data.check_for_training(config)
+    import torch.distributed as dist
+
+    from pai_cookbook.runtime import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:  # Megatron-Core's dataset builder asks the process group which rank builds
+        train_set, valid_set = data.build_datasets(config, eval_batches=2)
+    finally:
+        dist.destroy_process_group()
+    assert len(train_set) >= 50 * 8 and len(valid_set) >= 2 * 8
+    counts = collections.Counter(int(i) for i in train_set.dataset_index[:400])
+    assert abs(counts[0] / 400 - 0.75) < 0.02 and abs(counts[1] / 400 - 0.25) < 0.02  # Megatron's exact blending
+
+
+def test_an_empty_split_is_refused_before_megatron_loops_on_it(tmp_path, tokenizer_dir):
+    data.prepare([TOKENIZER_CORPUS], tmp_path / "ds", tokenizer_dir, show_progress=False)  # 11 documents
+    config = RunConfig(model=families.tiny("llama"), data=DataConfig(source="indexed", paths=[str(tmp_path / "ds")],
+                                                                     seq_length=16, split="98,2,0"))
+    with pytest.raises(data.DataError, match=r"has 11 documents; split '98,2,0' leaves the validation split empty"):
+        train.run(config, run_dir=tmp_path / "run")
+    assert data.split_documents(11, "80,20,0") == [9, 2, 0]

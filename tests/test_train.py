@@ -158,16 +158,19 @@ def corpus(tmp_path_factory):
 
 @pytest.mark.multiproc
 def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scenario):
-    def run(parallel, nproc):
+    def run(parallel, nproc, distributed_optimizer=False):
         config = tiny_run(parallel=parallel, train_iters=20, eval_interval=10, data=DataConfig(
             source="indexed", paths=[str(corpus)], seq_length=32, micro_batch_size=2, global_batch_size=8),
-            optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2))
+            optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
+                                      use_distributed_optimizer=distributed_optimizer))
         return run_scenario(config, nproc)
 
     reference = run(ParallelConfig(), 1)
     assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it learns
-    for parallel in (ParallelConfig(tensor_model_parallel_size=2), ParallelConfig(pipeline_model_parallel_size=2),
-                     ParallelConfig()):  # the last one at 2 processes is DP=2
-        other = run(parallel, 2)
+    for parallel, distributed_optimizer in ((ParallelConfig(tensor_model_parallel_size=2), False),
+                                            (ParallelConfig(pipeline_model_parallel_size=2), False),
+                                            (ParallelConfig(), False),   # 2 processes: DP=2
+                                            (ParallelConfig(), True)):   # DP=2 with optimizer state sharded
+        other = run(parallel, 2, distributed_optimizer)
         assert other["losses"] == pytest.approx(reference["losses"], abs=1e-4), parallel
         assert [v for _, v in other["valid_losses"]] == pytest.approx([v for _, v in reference["valid_losses"]], abs=1e-4)
