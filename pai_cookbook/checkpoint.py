@@ -93,9 +93,10 @@ def _state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
-def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dtype: torch.dtype, *,
-         assets: Path | None = None, **provenance: Any) -> Path:
-    """Save this rank's model chunks (collective: every rank calls it) into `out`, atomically."""
+def _save_collective(state: dict[str, Any], out: str | Path, model: ModelConfig, dtype: torch.dtype,
+                     assets: Path | None, **provenance: Any) -> Path:
+    """The write protocol of every checkpoint (collective): rank 0 makes `<out>.partial`, all ranks save
+    their shards into it, rank 0 adds the config and assets and renames it to `out`."""
     from megatron.core import dist_checkpointing
 
     partial = partial_dir(out)
@@ -104,7 +105,7 @@ def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dty
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(_state(chunks), str(partial))
+    dist_checkpointing.save(state, str(partial))
     torch.distributed.barrier()
     if rank0:
         write_config(partial, model, dtype, **provenance)
@@ -113,6 +114,12 @@ def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dty
         publish(partial, out)
     torch.distributed.barrier()
     return Path(out)
+
+
+def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dtype: torch.dtype, *,
+         assets: Path | None = None, **provenance: Any) -> Path:
+    """Save this rank's model chunks (collective: every rank calls it) into `out`, atomically."""
+    return _save_collective(_state(chunks), out, model, dtype, assets, **provenance)
 
 
 def load(chunks: list[torch.nn.Module], ckpt: str | Path) -> None:
@@ -179,22 +186,9 @@ def _training_state(chunks, optimizer, scheduler, step: int, is_loading: bool) -
 def save_training(chunks, optimizer, scheduler, step: int, save_dir: str | Path, model: ModelConfig,
                   dtype: torch.dtype, layout: dict[str, int], *, keep_last: int, assets: Path | None = None) -> Path:
     """Save everything a run needs to continue exactly (collective), then keep only the last `keep_last`."""
-    from megatron.core import dist_checkpointing
-
-    out = iteration_dir(save_dir, step)
-    partial = partial_dir(out)
-    rank0 = torch.distributed.get_rank() == 0
-    if rank0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save(_training_state(chunks, optimizer, scheduler, step, is_loading=False), str(partial))
-    torch.distributed.barrier()
-    if rank0:
-        write_config(partial, model, dtype, step=step, saved_at=layout)
-        if assets is not None and assets.exists():
-            copy_assets(assets, partial / HF_ASSETS)
-        publish(partial, out)
+    out = _save_collective(_training_state(chunks, optimizer, scheduler, step, is_loading=False),
+                           iteration_dir(save_dir, step), model, dtype, assets, step=step, saved_at=layout)
+    if torch.distributed.get_rank() == 0:
         for old in finished_iterations(save_dir)[:-keep_last]:
             shutil.rmtree(old)
     torch.distributed.barrier()

@@ -6,6 +6,15 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 
+def _finish(fig, path: str | Path | None):
+    """Tighten the layout and, when a path is given, save the figure there as PNG."""
+    fig.tight_layout()
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    return fig
+
+
 def loss_curves(curves: Mapping[str, Sequence[float]], path: str | Path | None = None,
                 title: str = "Training loss", ylabel: str = "loss"):
     """Overlay per-step curves (e.g. {"TP=1": [...], "TP=2": [...]}); saved as PNG when `path` is given.
@@ -26,11 +35,7 @@ def loss_curves(curves: Mapping[str, Sequence[float]], path: str | Path | None =
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-    return fig
+    return _finish(fig, path)
 
 
 def parity_bars(rows: Sequence[dict], bound: float, path: str | Path | None = None,
@@ -48,11 +53,7 @@ def parity_bars(rows: Sequence[dict], bound: float, path: str | Path | None = No
     ax.set_ylabel("max |logit difference|")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-    return fig
+    return _finish(fig, path)
 
 
 def train_valid_loss(train: Sequence[float], valid: Sequence[Sequence[float]], path: str | Path | None = None,
@@ -70,8 +71,4 @@ def train_valid_loss(train: Sequence[float], valid: Sequence[Sequence[float]], p
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-    return fig
+    return _finish(fig, path)
