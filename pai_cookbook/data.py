@@ -67,6 +67,22 @@ def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
         raise DataError(f"input {path} has suffix {path.suffix!r}; the cookbook reads .jsonl and .txt.")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def tokenizer_fingerprint(folder: str | Path) -> str | None:
+    """SHA-256 over a tokenizer folder's vocabulary files; None when it has none of them."""
+    import hashlib
+
+    digest, found = hashlib.sha256(), False
+    for name in TOKENIZER_FILES:
+        path = Path(folder) / name
+        if path.exists():
+            digest.update(name.encode() + path.read_bytes())
+            found = True
+    return digest.hexdigest() if found else None
+
+
 def write_default_corpus(path: str | Path) -> Path:
     """Write the cookbook's default training corpus as JSONL and return its path.
 
@@ -169,6 +185,7 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
     seconds = time.perf_counter() - start
     summary = {"documents": documents, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                "vocab_size": len(tokenizer), "eod": eod, "tokenizer": str(Path(tokenizer_dir).resolve()),
+               "tokenizer_sha256": tokenizer_fingerprint(tokenizer_dir),
                "inputs": [str(p) for p in inputs]}
     for suffix in (".bin", ".idx"):  # the pair appears only when complete
         os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
@@ -262,13 +279,22 @@ def split_documents(documents: int, split: str) -> list[int]:
 
 def check_for_training(run: Any) -> None:
     """Before launch: every dataset exists, is non-empty, has documents in every split the run reads,
-    and was tokenized with a vocabulary that fits.
+    and was tokenized with a vocabulary that fits (the model's own tokenizer when training starts from
+    a checkpoint that carries one).
 
     Raises:
         DataError: naming the dataset and the fix.
     """
+    from pai_cookbook import checkpoint
+
+    load_dir = run.checkpoint.load_dir
+    expected = tokenizer_fingerprint(Path(load_dir) / checkpoint.HF_ASSETS) if load_dir else None
     for prefix in run.data.paths:
         summary = describe(prefix)
+        if expected and summary.get("tokenizer_sha256") not in (None, expected):
+            raise DataError(f"dataset {prefix} was tokenized with {summary['tokenizer']}, not with the tokenizer of "
+                            f"{load_dir} (their vocabulary files differ). Prepare it again with "
+                            f"tokenizer_dir={Path(load_dir) / checkpoint.HF_ASSETS}.")
         if summary["vocab_size"] > run.model.vocab_size:
             raise DataError(f"dataset {prefix} was tokenized with a {summary['vocab_size']}-token vocabulary "
                             f"({summary['tokenizer']}), larger than the model's {run.model.vocab_size}: it was "

@@ -97,3 +97,23 @@ def test_an_empty_split_is_refused_before_megatron_loops_on_it(tmp_path, tokeniz
     with pytest.raises(data.DataError, match=r"has 11 documents; split '98,2,0' leaves the validation split empty"):
         train.run(config, run_dir=tmp_path / "run")
     assert data.split_documents(11, "80,20,0") == [9, 2, 0]
+
+
+def test_a_dataset_from_another_tokenizer_of_the_same_size_is_refused(tmp_path, tokenizer_dir):
+    from pai_cookbook import convert
+    from pai_cookbook.config import CheckpointConfig
+    from pai_cookbook.tiny_models import make_tiny_hf_model
+
+    hf = make_tiny_hf_model("llama", tmp_path / "hf")
+    convert.hf_to_megatron(hf, tmp_path / "ckpt")
+    other = tmp_path / "other_tok"  # also 256 tokens, trained on different text
+    (tmp_path / "other.txt").write_text("completely different text for another vocabulary " * 50)
+    make_tokenizer(256, corpus=tmp_path / "other.txt").save_pretrained(other)
+    data.prepare([TOKENIZER_CORPUS], tmp_path / "ds", other, show_progress=False)
+    config = _indexed([tmp_path / "ds"])
+    config.data.split = "80,20,0"
+    config.checkpoint = CheckpointConfig(load_dir=str(tmp_path / "ckpt"))
+    with pytest.raises(data.DataError, match=r"not with the tokenizer of .*ckpt \(their vocabulary files differ\)"):
+        train.run(config, run_dir=tmp_path / "run")
+    data.prepare([TOKENIZER_CORPUS], tmp_path / "ds", tmp_path / "ckpt" / "hf_assets", show_progress=False)
+    data.check_for_training(config)  # the checkpoint's own tokenizer passes
