@@ -129,10 +129,8 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     """Check that a layout divides the model (heads, KV groups, layers, experts) before converting."""
     from pai_cookbook.config import DataConfig, RunConfig
 
-    tp, ep, etp, pp = (parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size,
-                       parallel.expert_tp, parallel.pipeline_model_parallel_size)
-    world = pp * math.lcm(tp, ep * etp)  # the smallest world this layout can run on
-    dp = world // (tp * pp)
+    world = layout_world_size(parallel)
+    dp, pp = world // parallel.model_parallel_size, parallel.pipeline_model_parallel_size
     seq = min(128, model.max_position_embeddings, model.sliding_window or 128)
     RunConfig(model=model, parallel=parallel,
               data=DataConfig(seq_length=seq, micro_batch_size=1, global_batch_size=dp * pp)).validate(world)

@@ -213,11 +213,12 @@ class StepLog:
             self.tensorboard.close()
 
 
-def _layout(config: RunConfig) -> dict[str, int]:
+def _layout(config: RunConfig, world_size: int) -> dict[str, int]:
+    """The layout a training checkpoint records, and that a resume must match."""
     p = config.parallel
     return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
             "vpp": p.virtual_pipeline_model_parallel_size or 1, "ep": p.expert_model_parallel_size,
-            "world": torch.distributed.get_world_size()}
+            "world": world_size}
 
 
 def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | None]:
@@ -260,7 +261,7 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
             history[-1]["valid_loss"] = valid_losses[-1][1]
         if ckpt.save_dir and (last or (ckpt.save_interval and done % ckpt.save_interval == 0)):
             saved = checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir,
-                                             config.model, dtype, _layout(config), keep_last=ckpt.keep_last,
+                                             config.model, dtype, _layout(config, torch.distributed.get_world_size()), keep_last=ckpt.keep_last,
                                              assets=assets)
         log.write(done, history[-1])
         if worker.rank() == 0 and (done % config.log_interval == 0 or last):
@@ -303,11 +304,7 @@ def preflight(config: RunConfig, world_size: int) -> None:
         return
     latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:]
     if latest and ckpt.resume:
-        layout = checkpoint.saved_layout(latest[0]) or {}
-        p = config.parallel
-        wanted = {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-                  "vpp": p.virtual_pipeline_model_parallel_size or 1, "ep": p.expert_model_parallel_size,
-                  "world": world_size}
+        layout, wanted = checkpoint.saved_layout(latest[0]) or {}, _layout(config, world_size)
         if layout != wanted:
             raise ConfigError(f"cannot resume {latest[0]}: it was saved at {layout}, this run is {wanted}. Resume "
                               f"at the saved layout, or start a new run from it with checkpoint.load_dir (weights "

@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from pai_cookbook import checkpoint, convert, families, parity
 from pai_cookbook.config import ConfigError, ParallelConfig
@@ -30,14 +29,6 @@ def converted(tmp_path_factory):
         convert.megatron_to_hf(ckpt, back)
         out[family] = (hf, ckpt, back)
     return out
-
-
-def _tensors(folder):
-    found = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            found |= {k: f.get_tensor(k) for k in f.keys()}
-    return found
 
 
 def assert_parity(r: dict) -> None:
@@ -64,11 +55,9 @@ def test_logits_match_transformers_at_every_layout(family, converted, tmp_path):
 @pytest.mark.parametrize("family", families.supported())
 def test_round_trip_is_bitwise_identical_and_loadable(family, converted):
     hf, _, back = converted[family]
-    original, exported = _tensors(hf), _tensors(back)
-    assert exported.keys() == original.keys()
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name].view(torch.uint8),
-                                                                    tensor.view(torch.uint8)), name
+    # same names, dtypes and bytes for every tensor (a name on one side only counts as different)
+    same = convert.compare_hf_checkpoints(hf, back)
+    assert same["bitwise_identical"] and same["tensors"] > 0, same["different"]
     # loadable by transformers' Auto classes, with the source's token ids kept
     import transformers
     assert type(transformers.AutoModelForCausalLM.from_pretrained(back)).__name__ == families.FAMILIES[family].architecture
@@ -95,7 +84,7 @@ def test_checkpoint_saved_at_one_layout_loads_at_another(family, saved_at, loade
     assert_parity(parity.check(hf, resharded, as_parallel(loaded_at), run_dir=tmp_path / "parity"))
     export = tmp_path / "export"
     convert.megatron_to_hf(resharded, export)
-    assert all(torch.equal(a, _tensors(export)[k]) for k, a in _tensors(hf).items())
+    assert convert.compare_hf_checkpoints(hf, export)["bitwise_identical"]
 
 
 # ---------------------------------------------------------------------------------------- bad input
