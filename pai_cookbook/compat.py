@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -178,9 +179,26 @@ class _NullStream:
         return True
 
 
+class _CpuEvent(_NullStream):
+    """A CUDA event stand-in that keeps time: Megatron-Core's static inference controller records an
+    event per generated token and reads `elapsed_time` (milliseconds) as a number for its per-token
+    latencies; on CPU, work is done when `record` returns, so a wall-clock stamp is the event time."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.time_s: float | None = None
+
+    def record(self, *args, **kwargs) -> None:
+        self.time_s = time.perf_counter()
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        if self.time_s is None or end.time_s is None:
+            raise RuntimeError("elapsed_time needs both events recorded (call record() on each first).")
+        return (end.time_s - self.time_s) * 1e3
+
+
 def _patch_streams() -> None:
     torch.cuda.Stream = _NullStream
-    torch.cuda.Event = _NullStream
+    torch.cuda.Event = _CpuEvent
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_stream = _NullStream
     torch.cuda.default_stream = _NullStream

@@ -105,3 +105,16 @@ def test_apply_is_idempotent_and_rejects_unknown_names():
     bad = subprocess.run([sys.executable, "-c", "from pai_cookbook import compat; compat.apply(skip=('nope',))"],
                          capture_output=True, text=True)
     assert "unknown compat patch" in bad.stderr
+
+
+def test_cuda_event_keeps_time_on_cpu():
+    # The static inference controller divides event.elapsed_time(...) by 1e3 for per-token latencies;
+    # a stand-in that returns a non-number breaks every generation at the end of its batch.
+    import subprocess
+    import sys
+    code = ("import time, torch; from pai_cookbook import compat; compat.apply(); "
+            "a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True); "
+            "a.record(); time.sleep(0.05); b.record(); b.synchronize(); print(a.elapsed_time(b))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert 50.0 <= float(out.stdout) < 5000.0  # milliseconds, like CUDA's elapsed_time
