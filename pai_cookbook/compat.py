@@ -346,6 +346,43 @@ def _patch_gloo_p2p() -> None:
     p2p._batched_p2p_ops = p2p_ops
 
 
+# --- 11. uneven all-gather / reduce-scatter on gloo ------------------------------------------------
+def _patch_gloo_uneven_collectives() -> None:
+    """Gather and reduce-scatter pieces of different lengths over gloo, as NCCL does.
+
+    With expert-TP > 1 and EP > 1 the alltoall dispatcher gathers each TP rank's routed tokens (a
+    different count per rank) with `all_gather` into unequal pieces; gloo accepts equal pieces only
+    ("invalid tensor size"). Gather: pad every piece to the longest, gather, trim. Reduce-scatter (its
+    backward): all-reduce the whole tensor and keep this rank's piece: the same sums, more traffic.
+    """
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def on_gloo(group, sizes) -> bool:
+        return sizes is not None and group.size() > 1 and torch.distributed.get_backend(group) == "gloo"
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if not on_gloo(group, output_split_sizes):
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if not on_gloo(group, input_split_sizes):
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total.split([int(n) for n in input_split_sizes])[group.rank()].contiguous()
+
+    _rebind(mappings, "_gather_along_first_dim", gather_uneven)
+    _rebind(mappings, "_reduce_scatter_along_first_dim", reduce_scatter_uneven)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("current_device", "AssertionError: Torch not compiled with CUDA enabled (rotary embedding, layers)",
           _patch_current_device),
@@ -369,6 +406,8 @@ PATCHES: tuple[Patch, ...] = (
           "selective recompute without TE", _patch_recompute_without_te),
     Patch("gloo_p2p", "no error, silently wrong loss with interleaved pipeline and batched p2p on gloo",
           _patch_gloo_p2p),
+    Patch("gloo_uneven_collectives", "RuntimeError: ProcessGroupGloo::allgather: invalid tensor size (MoE with "
+          "EP > 1 and expert-TP > 1)", _patch_gloo_uneven_collectives),
 )
 
 

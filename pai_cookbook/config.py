@@ -107,13 +107,26 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before top-k, without renormalising (Qwen2-MoE norm_topk_prob=False)."""
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, added to sigmoid scores for the top-k
+    choice only, moves each step towards equal load (needs moe_router_score_function='sigmoid')."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of that bias per optimizer step."""
     moe_layer_freq: int | list[int] = 1
     """Every n-th layer is MoE (1: all, 2: every other layer as GShard did), or a 0/1 flag per layer."""
-    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = "aux_loss"
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                            "none"] = "aux_loss"
+    """Aux loss over the micro-batch, per sequence, or over the global batch; Sinkhorn (top-1) balances
+    by assignment instead of by a loss."""
     moe_aux_loss_coeff: float = 0.0
-    """Load-balancing loss weight (Mixtral: 0.02)."""
+    """Load-balancing loss weight (Mixtral: 0.02); 0 trains without it."""
     moe_z_loss_coeff: float | None = None
     """Router z-loss weight (ST-MoE: 1e-3); None disables it."""
+    moe_expert_capacity_factor: float | None = None
+    """Tokens an expert takes per micro-batch, as a multiple of its fair share (tokens x top-k / experts);
+    tokens beyond it are dropped (lowest router probability first). None: dropless."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (static shapes); needs moe_expert_capacity_factor."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "alltoall"
     """How tokens reach experts across EP ranks; flex needs DeepEP (GPU only)."""
     moe_grouped_gemm: bool | None = None
@@ -140,6 +153,15 @@ class ModelConfig:
             _require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_router_topk == 1,
                      f"sinkhorn load balancing supports top-1 routing only, got moe_router_topk "
                      f"{self.moe_router_topk}; use aux_loss or set moe_router_topk=1.")
+            _require(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
+                     "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' (the bias "
+                     "shifts sigmoid scores); set the score function or disable the bias.")
+            capacity = self.moe_expert_capacity_factor
+            _require(capacity is None or (capacity > 0 and self.moe_router_load_balancing_type != "sinkhorn"),
+                     f"moe_expert_capacity_factor {capacity} must be > 0 (None: dropless) and works with the "
+                     f"aux-loss balancing types, not sinkhorn ({self.moe_router_load_balancing_type!r}).")
+            _require(not self.moe_pad_expert_input_to_capacity or capacity is not None,
+                     "moe_pad_expert_input_to_capacity=True pads to a capacity; set moe_expert_capacity_factor.")
         if self.position_embedding_type == "rope":
             # Rotary's slowest component turns once every 2*pi*base tokens: past that, distant
             # positions alias onto near ones and the model cannot tell them apart.
@@ -413,6 +435,9 @@ class RunConfig:
                      f"num_experts / EP whole experts. Use EP in {_divisors(m.num_experts)}.")
             _require(world_size % (ep * etp * pp) == 0,
                      f"world size {world_size} is not divisible by EP x expert-TP x PP = {ep} x {etp} x {pp}.")
+            _require(tp == 1 or p.sequence_parallel,
+                     f"an MoE model at TP={tp} needs sequence_parallel=True (Megatron-Core's MoE layer refuses to "
+                     f"train without it: each TP rank routes its own slice of the sequence).")
             _require(m.moe_token_dispatcher_type != "flex" or getattr(device, "is_cuda", True),
                      "moe_token_dispatcher_type='flex' needs DeepEP on GPUs; use 'alltoall' on this machine.")
             _require(not (m.moe_grouped_gemm and device is not None and not device.is_cuda),

@@ -84,6 +84,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
             moe_shared_expert_gate=model.moe_shared_expert_gate,
             moe_router_pre_softmax=model.moe_router_pre_softmax,
             moe_router_score_function=model.moe_router_score_function,
+            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+            moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=model.moe_pad_expert_input_to_capacity,
             moe_layer_freq=model.moe_layer_freq,
             moe_router_load_balancing_type=model.moe_router_load_balancing_type,
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
@@ -124,6 +128,39 @@ def _seeded_layer_class():
 
 
 _LAYER_SEED_STRIDE = 100_003  # a prime above any layer count: distinct (seed, layer) -> distinct streams
+_EXPERT_SEED_STRIDE = 10_007  # a prime above any expert count: distinct (layer seed, expert) -> distinct streams
+
+
+def _seeded_experts_class(base):
+    """Experts module whose expert e is drawn from a stream seeded by (layer seed, *global* index e).
+
+    SequentialMLP draws its local experts one after the other from the layer's stream, so at EP=2 rank 1
+    would give global expert 2 the weights that EP=1 gives expert 0. Seeding each expert's first linear
+    (the first thing its MLP draws) by its global index, and the stream after the experts by the expert
+    count, makes a seed mean one MoE model at every EP layout (expert-TP already splits a whole drawn
+    weight). Grouped experts (GPU) initialise all local experts at once and are not re-seeded.
+    """
+    import dataclasses
+
+    class SeededExperts(base):
+        def __init__(self, num_local_experts, config, submodules, *args, **kwargs):
+            from megatron.core import parallel_state
+
+            layer_seed = torch.random.default_generator.initial_seed()  # set by SeededTransformerLayer
+            first = parallel_state.get_expert_model_parallel_rank() * num_local_experts
+            experts = iter(range(first, first + num_local_experts))
+
+            class SeededFirstLinear(submodules.linear_fc1):
+                def __init__(self, *a, **k):
+                    torch.random.default_generator.manual_seed(layer_seed * _EXPERT_SEED_STRIDE + next(experts))
+                    super().__init__(*a, **k)
+
+            seeded = dataclasses.replace(submodules, linear_fc1=SeededFirstLinear)
+            super().__init__(num_local_experts, config, seeded, *args, **kwargs)
+            # What the layer builds next (shared expert) draws from a stream that is the same at every EP.
+            torch.random.default_generator.manual_seed(layer_seed * _EXPERT_SEED_STRIDE + config.num_moe_experts)
+
+    return SeededExperts
 
 
 def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | None = None):
@@ -139,8 +176,13 @@ def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | N
         # The block spec places MoE and dense layers by moe_layer_freq.
         block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                  normalization=model.normalization, vp_stage=vp_stage)
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
         for spec in block.layer_specs:
             spec.module = seeded
+            experts = getattr(spec.submodules.mlp.submodules, "experts", None)
+            if experts is not None and experts.module is SequentialMLP:
+                experts.module = _seeded_experts_class(SequentialMLP)
         return block
     if use_te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)

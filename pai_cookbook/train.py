@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 
 from pai_cookbook import launch as launcher
-from pai_cookbook import checkpoint, data, runtime, worker
+from pai_cookbook import checkpoint, data, moe, runtime, worker
 from pai_cookbook.config import ConfigError, RunConfig
 from pai_cookbook.model import build_model, torch_dtype, training_flops_per_token
 from pai_cookbook.runtime import DeviceInfo
@@ -205,6 +205,8 @@ class StepLog:
         self.jsonl.write(json.dumps({"step": step} | figures) + "\n")
         self.jsonl.flush()
         for name, value in figures.items():
+            if not isinstance(value, (int, float)):  # per-layer router lists stay in metrics.jsonl
+                continue
             self.tensorboard.add_scalar(f"train/{name}" if name != "valid_loss" else "valid/loss", value, step)
 
     def close(self) -> None:
@@ -249,11 +251,14 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
     valid_losses: list[tuple[int, float]] = []
     saved = None
     log = StepLog(config, device)
+    router = moe.RouterStats([m.module for m in model], config) if config.model.is_moe else None
     start = time.perf_counter()
     for step in range(first_step, config.train_iters):
         step_start = time.perf_counter()
         history.append(train_step(config, model, optimizer, scheduler, step, train_set))
         history[-1] |= log.throughput(time.perf_counter() - step_start)
+        if router is not None:
+            history[-1] |= router.step()
         done = step + 1
         last = done == config.train_iters
         if valid_set is not None and config.eval_interval and (done % config.eval_interval == 0 or last):
@@ -265,7 +270,8 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
                                              assets=assets)
         log.write(done, history[-1])
         if worker.rank() == 0 and (done % config.log_interval == 0 or last):
-            worker.progress(done, config.train_iters, **{k: history[-1][k] for k in ("loss", "lr", "tokens_per_s")})
+            shown = ("loss", "lr", "tokens_per_s") + (("min_load", "max_load") if router else ())
+            worker.progress(done, config.train_iters, **{k: history[-1][k] for k in shown})
     log.close()
     elapsed = time.perf_counter() - start
     return {
@@ -281,6 +287,8 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
         "world_size": torch.distributed.get_world_size(),
         "device": device.name,
         "checkpoint": str(saved) if saved else None,
+        # MoE: per step, each layer's expert shares, aux/z-losses and dropped tokens (moe.RouterStats)
+        "router": [{k: h[k] for k in h if k not in _STEP_FIGURES} for h in history] if router else [],
     }
 
 
@@ -316,9 +324,12 @@ def preflight(config: RunConfig, world_size: int) -> None:
     checkpoint.check_writable(ckpt.save_dir, False, "checkpoint.overwrite=True (or resume=True)")
 
 
+_STEP_FIGURES = {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "valid_loss"}
+
 # ModelConfig fields that shape training but not the weights: a checkpoint may be trained on with others.
 _TRAINING_ONLY = {"hidden_dropout", "attention_dropout", "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                  "moe_router_load_balancing_type", "moe_token_dispatcher_type", "moe_grouped_gemm"}
+                  "moe_router_load_balancing_type", "moe_token_dispatcher_type", "moe_grouped_gemm",
+                  "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity"}
 
 
 def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/train",

@@ -1,10 +1,11 @@
 """Shared helpers: tiny configs and real torchrun runs of tests/workers/scenarios.py."""
 
+import json
 from pathlib import Path
 
 import pytest
 
-from pai_cookbook import families, launch
+from pai_cookbook import families, launch, runtime
 from pai_cookbook.config import DataConfig, RunConfig
 
 SCENARIOS = str(Path(__file__).parent / "workers" / "scenarios.py")
@@ -27,4 +28,16 @@ def run_scenario(tmp_path):
                              run_dir=tmp_path / f"run{next(counter)}",
                              env={"PAI_COOKBOOK_COMPAT_SKIP": skip}, echo=False, show_progress=False)
 
+    def run_layouts(configs: list[RunConfig], nproc: int) -> list[dict]:
+        """Train each config in one launch of `nproc` processes (parallel state rebuilt per config)."""
+        folder = tmp_path / f"run{next(counter)}"
+        folder.mkdir()
+        (folder / "layouts.json").write_text(json.dumps([json.loads(c.to_json()) for c in configs]))
+        for config in configs:
+            config.validate(nproc, runtime.detect_device())
+        return launch.launch(SCENARIOS, configs[0], nproc_per_node=nproc,
+                             args=["layouts", str(folder / "layouts.json")], run_dir=folder, echo=False,
+                             show_progress=False)["runs"]
+
+    run.layouts = run_layouts
     return run

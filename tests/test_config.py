@@ -59,6 +59,8 @@ BAD_LAYOUTS = [
     ("expert layout over world size", lambda: run("mixtral", parallel=ParallelConfig(
         expert_model_parallel_size=2, tensor_model_parallel_size=2, expert_tensor_parallel_size=2)), 2, CPU,
      r"world size 2 is not divisible by EP x expert-TP x PP = 2 x 2 x 1"),
+    ("MoE with TP but no sequence parallelism", lambda: run("mixtral", parallel=ParallelConfig(
+        tensor_model_parallel_size=2)), 2, CPU, r"an MoE model at TP=2 needs sequence_parallel=True"),
 ]
 
 # Rejected when the config object is built (no world size needed).
@@ -80,6 +82,13 @@ BAD_FIELDS = [
      r"moe_router_topk 5 exceeds num_experts 4"),
     ("sinkhorn with top-2", lambda: families.tiny("mixtral", moe_router_load_balancing_type="sinkhorn"),
      r"sinkhorn load balancing supports top-1 routing only"),
+    ("expert bias with softmax scores", lambda: families.tiny("mixtral", moe_router_enable_expert_bias=True),
+     r"moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid'"),
+    ("capacity factor with sinkhorn", lambda: families.tiny(
+        "mixtral", moe_router_topk=1, moe_router_load_balancing_type="sinkhorn", moe_expert_capacity_factor=1.0),
+     r"moe_expert_capacity_factor 1.0 must be > 0 .* not sinkhorn"),
+    ("padding to capacity without a capacity", lambda: families.tiny(
+        "mixtral", moe_pad_expert_input_to_capacity=True), r"pads to a capacity; set moe_expert_capacity_factor"),
     ("query groups not dividing heads", lambda: families.tiny(num_query_groups=3),
      r"num_attention_heads 4 is not divisible by num_query_groups 3"),
     ("min_lr above lr", lambda: OptimizerConfig(lr=1e-4, min_lr=1e-3),

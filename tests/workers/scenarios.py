@@ -4,9 +4,14 @@ Usage (by the launcher): scenarios.py CONFIG_JSON SCENARIO
   train        train config.train_iters steps with the cookbook's training code, return its history
   rng          draw from the model-parallel RNG tracker and the default generator, twice, on every rank
   param_counts build the model of config.model and count its parameters over all ranks
+  layouts      train once per config in LAYOUTS_JSON (a list of RunConfigs), rebuilding Megatron-Core's
+               parallel state for each inside one process group; returns each history
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
 patch out, which is how tests/test_compat.py shows each patch is needed.
 """
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -53,8 +58,25 @@ def param_counts(config: RunConfig, device) -> dict:
     return {"params": int(total.item()), "padded_vocab_size": padded}
 
 
+def layouts(configs: list[RunConfig]) -> dict:
+    from megatron.core import parallel_state
+
+    runs = []
+    for config in configs:
+        device = runtime.init_distributed(config.parallel, config.seed)  # joins the group once
+        runs.append(train(config, device))
+        parallel_state.destroy_model_parallel()  # the next layout builds its own groups
+    return {"runs": runs}
+
+
 @worker.entry
-def main(config_path: str, scenario: str) -> dict:
+def main(config_path: str, scenario: str, layouts_path: str = "") -> dict:
+    if scenario == "layouts":
+        configs = [RunConfig.from_json(json.dumps(c)) for c in json.loads(Path(layouts_path).read_text())]
+        try:
+            return layouts(configs)
+        finally:
+            runtime.destroy_distributed()
     config = RunConfig.load(config_path)
     device = runtime.init_distributed(config.parallel, config.seed)
     try:

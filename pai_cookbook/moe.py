@@ -1,0 +1,230 @@
+"""Mixture-of-Experts: router statistics while training, and dense -> MoE upcycling.
+
+`RouterStats` watches every Megatron-Core router of a model and turns each optimizer step into figures
+a user can act on: per MoE layer, the share of routed tokens each expert received, the auxiliary and
+z-losses Megatron-Core computed, and the tokens dropped by a capacity factor. `train.train` records
+them in the per-step logs of every MoE run.
+
+`upcycle(dense_ckpt, out, num_experts=8)` builds an MoE checkpoint from a dense one by copying the
+dense MLP into every expert (sparse upcycling, Komatsuzaki et al. 2022) with Megatron-Core's own
+`upcycle_state_dict`. Because the router's top-k weights are renormalised to sum to one, k identical
+experts compute exactly the dense MLP: the upcycled model starts as the same function as the dense
+one, and continued pretraining then lets the experts diverge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook import checkpoint
+from pai_cookbook.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+
+AUX_LOSS_NAMES = {"load_balancing_loss": "aux_loss", "seq_load_balancing_loss": "seq_aux_loss",
+                  "global_load_balancing_loss": "global_aux_loss", "z_loss": "z_loss"}
+"""Megatron-Core's aux-loss tracker names -> the names in the cookbook's per-step logs."""
+
+UPCYCLE_TARGETS = {"llama": "mixtral", "mistral": "mixtral"}
+"""Dense family -> the MoE family with the same attention and norms (and a Hugging Face export)."""
+_CHANGE_THE_FUNCTION = {"moe_router_pre_softmax", "moe_router_score_function", "moe_router_enable_expert_bias",
+                        "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_ffn_hidden_size",
+                        "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity"}
+
+
+def moe_layer_flags(model: ModelConfig) -> list[bool]:
+    """Which layers are MoE, by `moe_layer_freq` (an interval, or one 0/1 flag per layer)."""
+    freq = model.moe_layer_freq
+    if isinstance(freq, list):
+        return [bool(f) for f in freq]
+    return [i % freq == 0 for i in range(model.num_layers)]
+
+
+class RouterStats:
+    """Per-step router figures of this rank's model chunks, reduced over all ranks by `step()`.
+
+    A forward hook on each `TopKRouter` counts the (token, expert) assignments it made in training
+    forwards (evaluation is not counted). Tokens are counted where they are routed: without sequence
+    parallelism every TP rank routes the same tokens, so the world-wide sum is divided by TP.
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module], config: RunConfig):
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        model, parallel = config.model, config.parallel
+        self.num_experts = model.num_experts
+        self.moe_layers = [i for i, moe in enumerate(moe_layer_flags(model)) if moe]
+        self.counts = torch.zeros(model.num_layers, model.num_experts, dtype=torch.float64)
+        self.dropped = torch.zeros(model.num_layers, dtype=torch.float64)
+        self.duplicates = 1 if parallel.sequence_parallel else parallel.tensor_model_parallel_size
+        dp = ps.get_data_parallel_world_size()
+        self.num_microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
+        self.handles = [module.register_forward_hook(self._record) for chunk in chunks
+                        for module in chunk.modules() if isinstance(module, TopKRouter)]
+
+    def _record(self, router: torch.nn.Module, inputs: Any, outputs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if not router.training:
+            return
+        probs, routing_map = outputs
+        # Padding to capacity adds zero-probability fillers to the map: they are not routed tokens.
+        kept = routing_map & (probs > 0)
+        layer = router.layer_number - 1
+        self.counts[layer] += kept.sum(0).double().cpu()
+        self.dropped[layer] += routing_map.shape[0] * router.topk - int(kept.sum())
+
+    def step(self) -> dict[str, Any]:
+        """This step's figures (collective: every rank calls it); resets the counters.
+
+        Returns:
+            `expert_load`: per MoE layer, each expert's share of the routed tokens (sums to 1; the fair
+            share is 1 / num_experts); `min_load` / `max_load`: the smallest and largest share over all
+            layers, in units of the fair share (1.0 = perfectly balanced); `dropped_tokens`; and, for each
+            aux loss Megatron-Core computed, its per-layer values and their mean (e.g. `aux_loss`).
+        """
+        from megatron.core.transformer.moe import moe_utils
+
+        flat = torch.cat([self.counts.flatten(), self.dropped])
+        if torch.cuda.is_available():
+            flat = flat.cuda()
+        torch.distributed.all_reduce(flat)
+        flat = flat.cpu() / self.duplicates
+        counts = flat[:self.counts.numel()].view_as(self.counts)[self.moe_layers]
+        share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+        figures: dict[str, Any] = {
+            "expert_load": share.tolist(),
+            "min_load": float(share.min() * self.num_experts),
+            "max_load": float(share.max() * self.num_experts),
+            "dropped_tokens": float(flat[self.counts.numel():].sum()),
+        }
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        moe_utils.reduce_aux_losses_tracker_across_ranks()
+        for name, entry in tracker.items():
+            # summed over micro-batches by Megatron-Core; the per-step value is their mean
+            values = (entry["values"].float().cpu() / self.num_microbatches)[self.moe_layers]
+            key = AUX_LOSS_NAMES.get(name, name)
+            figures[f"{key}_per_layer"] = values.tolist()
+            figures[key] = float(values.mean())
+        moe_utils.clear_aux_losses_tracker()
+        self.counts.zero_()
+        self.dropped.zero_()
+        return figures
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def load_balance(history: list[dict[str, Any]], skip: int) -> torch.Tensor:
+    """Mean expert shares after warm-up, in units of the fair share: [MoE layers, experts].
+
+    Args:
+        history: `train.run(...)["history"]` entries (each with `expert_load`).
+        skip: warm-up steps left out.
+    """
+    loads = torch.tensor([h["expert_load"] for h in history[skip:]], dtype=torch.float64)
+    if loads.numel() == 0:
+        raise ValueError(f"no steps after a warm-up of {skip} in a history of {len(history)}; lower `skip`.")
+    return loads.mean(dim=0) * loads.shape[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense -> MoE upcycling
+# ------------------------------------------------------------------------------------------------
+def upcycled_config(dense: ModelConfig, num_experts: int, topk: int = 2, **moe_fields: Any) -> ModelConfig:
+    """The MoE ModelConfig of `dense` with `num_experts` copies of its MLP, `topk` of them per token.
+
+    Args:
+        moe_fields: other ModelConfig MoE fields (aux-loss coefficient, layer frequency, dispatcher).
+    Raises:
+        ConfigError: the dense model is MoE already, its family has no MoE counterpart, or a field would
+            make the upcycled model compute something else than the dense one at step 0.
+    """
+    if dense.is_moe:
+        raise ConfigError(f"the model is MoE already ({dense.num_experts} experts); upcycle a dense checkpoint.")
+    if dense.family not in UPCYCLE_TARGETS:
+        raise ConfigError(f"family {dense.family!r} has no MoE counterpart to upcycle into; supported: "
+                          f"{sorted(UPCYCLE_TARGETS)} -> mixtral.")
+    bad = sorted(set(moe_fields) & _CHANGE_THE_FUNCTION)
+    if bad:
+        raise ConfigError(f"{bad} would make the upcycled model compute something else than the dense one at "
+                          f"the start (top-k weights sum to one over full-width copies of the MLP, no shared "
+                          f"expert, no token dropped); leave them out (a capacity factor can be set for training).")
+    return dataclasses.replace(dense, family=UPCYCLE_TARGETS[dense.family], num_experts=num_experts,
+                               moe_router_topk=topk, moe_ffn_hidden_size=dense.ffn_hidden_size,
+                               moe_router_pre_softmax=False, moe_router_score_function="softmax", **moe_fields)
+
+
+def upcycle(dense_ckpt: str | Path, out: str | Path, *, num_experts: int, topk: int = 2,
+            parallel: ParallelConfig | None = None, seed: int = 1234, overwrite: bool = False,
+            run_dir: str | Path | None = None, **moe_fields: Any) -> dict[str, Any]:
+    """Write an MoE checkpoint at `out` whose experts are copies of `dense_ckpt`'s MLPs.
+
+    Args:
+        dense_ckpt: a cookbook checkpoint of a dense model (converted or trained).
+        num_experts / topk: experts per MoE layer, and experts per token.
+        parallel: layout the upcycling runs at (one process by default; a large model can be split,
+            with expert-TP equal to TP so expert shards line up with the dense MLP's shards).
+        seed: seeds the router weights (the only new weights).
+        moe_fields: further MoE fields of the new ModelConfig (see `upcycled_config`).
+    Returns:
+        The new ModelConfig (as a dict) and the checkpoint path.
+    """
+    from pai_cookbook import launch
+    from pai_cookbook.convert import check_layout, layout_world_size
+
+    dense, _ = checkpoint.read_config(dense_ckpt)
+    moe = upcycled_config(dense, num_experts, topk, **moe_fields)
+    parallel = parallel or ParallelConfig()
+    if parallel.expert_tp != parallel.tensor_model_parallel_size:
+        raise ConfigError(f"upcycling copies the dense MLP's TP shards into experts, so expert-TP must equal TP "
+                          f"({parallel.tensor_model_parallel_size}), got {parallel.expert_tp}.")
+    check_layout(moe, parallel)
+    checkpoint.check_writable(out, overwrite)
+    run_dir = Path(run_dir or Path(out).with_name(Path(out).name + ".logs"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = run_dir / "upcycle.json"
+    spec.write_text(json.dumps({"model": dataclasses.asdict(moe), "parallel": dataclasses.asdict(parallel),
+                                "seed": seed}))
+    launch.launch("pai_cookbook.moe", nproc_per_node=layout_world_size(parallel),
+                  args=[str(Path(dense_ckpt).resolve()), str(Path(out).resolve()), str(spec.resolve())],
+                  run_dir=run_dir, echo=False, show_progress=False)
+    return {"model": dataclasses.asdict(moe), "checkpoint": str(out)}
+
+
+def _upcycle_worker(src: str, out: str, spec_path: str) -> dict[str, Any]:
+    from megatron.core.transformer.moe.upcycling_utils import upcycle_state_dict
+
+    from pai_cookbook import runtime
+    from pai_cookbook.config import PrecisionConfig
+    from pai_cookbook.model import build_model
+
+    spec = json.loads(Path(spec_path).read_text())
+    moe, parallel = ModelConfig(**spec["model"]), ParallelConfig(**spec["parallel"])
+    device = runtime.init_distributed(parallel, spec["seed"])
+    try:
+        dense, dtype = checkpoint.read_config(src)
+        precision = PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype])
+        dense_chunks = build_model(dense, parallel, precision, device, spec["seed"])
+        checkpoint.load(dense_chunks, src)
+        moe_chunks = build_model(moe, parallel, precision, device, spec["seed"])
+        for dense_chunk, moe_chunk in zip(dense_chunks, moe_chunks):
+            state = upcycle_state_dict([moe_chunk], [dense_chunk])["model"]
+            # Megatron-Core expands every layer's dense MLP; layers that stay dense (moe_layer_freq > 1)
+            # keep theirs under the original names, so only the MoE model's own keys are loaded.
+            wanted = moe_chunk.state_dict().keys()
+            moe_chunk.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=True)
+        checkpoint.save(moe_chunks, out, moe, dtype, assets=Path(src) / checkpoint.HF_ASSETS,
+                        upcycled_from=str(src))
+        return {"checkpoint": out}
+    finally:
+        runtime.destroy_distributed()
+
+
+if __name__ == "__main__":
+    from pai_cookbook import worker
+
+    worker.entry(_upcycle_worker)()
