@@ -72,3 +72,31 @@ def train_valid_loss(train: Sequence[float], valid: Sequence[Sequence[float]], p
     ax.grid(alpha=0.3)
     ax.legend()
     return _finish(fig, path)
+
+
+def expert_load(runs: Mapping[str, Sequence[dict]], layer: int = 0, path: str | Path | None = None,
+                title: str = "Share of routed tokens per expert"):
+    """Heat maps of each expert's token share per step (one panel per run), in units of the fair share.
+
+    Args:
+        runs: label -> `train.run(...)["router"]` (per-step router figures of an MoE run).
+        layer: index among the MoE layers.
+    White is the fair share (1.0); red an overloaded expert, blue a starved one (0 = no tokens).
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), squeeze=False)
+    for ax, (label, steps) in zip(axes[0], runs.items()):
+        shares = np.array([step["expert_load"][layer] for step in steps]).T  # experts x steps
+        fair_units = shares * shares.shape[0]
+        image = ax.imshow(fair_units, aspect="auto", cmap="RdBu_r", interpolation="nearest",
+                          norm=TwoSlopeNorm(vcenter=1.0, vmin=0.0, vmax=max(2.0, float(fair_units.max()))),
+                          extent=(0.5, shares.shape[1] + 0.5, shares.shape[0] - 0.5, -0.5))
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert")
+        ax.set_title(label)
+        fig.colorbar(image, ax=ax, label="share / fair share")
+    fig.suptitle(f"{title} (MoE layer {layer})")
+    return _finish(fig, path)
