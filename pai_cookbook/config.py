@@ -153,6 +153,9 @@ class ModelConfig:
             _require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_router_topk == 1,
                      f"sinkhorn load balancing supports top-1 routing only, got moe_router_topk "
                      f"{self.moe_router_topk}; use aux_loss or set moe_router_topk=1.")
+            _require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_aux_loss_coeff == 0,
+                     f"sinkhorn balances by assignment and refuses an aux loss; set moe_aux_loss_coeff=0 "
+                     f"(got {self.moe_aux_loss_coeff}).")
             _require(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
                      "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' (the bias "
                      "shifts sigmoid scores); set the score function or disable the bias.")

@@ -82,10 +82,14 @@ BAD_FIELDS = [
      r"moe_router_topk 5 exceeds num_experts 4"),
     ("sinkhorn with top-2", lambda: families.tiny("mixtral", moe_router_load_balancing_type="sinkhorn"),
      r"sinkhorn load balancing supports top-1 routing only"),
+    ("sinkhorn with an aux loss", lambda: families.tiny("mixtral", moe_router_topk=1,
+                                                        moe_router_load_balancing_type="sinkhorn"),
+     r"sinkhorn balances by assignment and refuses an aux loss; set moe_aux_loss_coeff=0 \(got 0.001\)"),
     ("expert bias with softmax scores", lambda: families.tiny("mixtral", moe_router_enable_expert_bias=True),
      r"moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid'"),
     ("capacity factor with sinkhorn", lambda: families.tiny(
-        "mixtral", moe_router_topk=1, moe_router_load_balancing_type="sinkhorn", moe_expert_capacity_factor=1.0),
+        "mixtral", moe_router_topk=1, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0,
+        moe_expert_capacity_factor=1.0),
      r"moe_expert_capacity_factor 1.0 must be > 0 .* not sinkhorn"),
     ("padding to capacity without a capacity", lambda: families.tiny(
         "mixtral", moe_pad_expert_input_to_capacity=True), r"pads to a capacity; set moe_expert_capacity_factor"),
