@@ -14,8 +14,10 @@ one, and continued pretraining then lets the experts diverge.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -190,12 +192,12 @@ def upcycle(dense_ckpt: str | Path, out: str | Path, *, num_experts: int, topk: 
     spec.write_text(json.dumps({"model": dataclasses.asdict(moe), "parallel": dataclasses.asdict(parallel),
                                 "seed": seed}))
     launch.launch("pai_cookbook.moe", nproc_per_node=layout_world_size(parallel),
-                  args=[str(Path(dense_ckpt).resolve()), str(Path(out).resolve()), str(spec.resolve())],
+                  args=["worker", str(Path(dense_ckpt).resolve()), str(Path(out).resolve()), str(spec.resolve())],
                   run_dir=run_dir, echo=False, show_progress=False)
     return {"model": dataclasses.asdict(moe), "checkpoint": str(out)}
 
 
-def _upcycle_worker(src: str, out: str, spec_path: str) -> dict[str, Any]:
+def _upcycle_worker(_marker: str, src: str, out: str, spec_path: str) -> dict[str, Any]:
     from megatron.core.transformer.moe.upcycling_utils import upcycle_state_dict
 
     from pai_cookbook import runtime
@@ -224,7 +226,33 @@ def _upcycle_worker(src: str, out: str, spec_path: str) -> dict[str, Any]:
         runtime.destroy_distributed()
 
 
-if __name__ == "__main__":
-    from pai_cookbook import worker
+def main(argv: list[str] | None = None) -> int:
+    """CLI: `python -m pai_cookbook.moe upcycle DENSE_CKPT OUT --experts N [--topk K] [--aux-loss C]`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        from pai_cookbook import worker
 
-    worker.entry(_upcycle_worker)()
+        worker.entry(_upcycle_worker)()
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m pai_cookbook.moe", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["upcycle"])
+    parser.add_argument("dense_ckpt", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--experts", type=int, required=True, help="routed experts per MoE layer")
+    parser.add_argument("--topk", type=int, default=2, help="experts per token")
+    parser.add_argument("--aux-loss", type=float, default=0.0, help="load-balancing loss weight for training")
+    parser.add_argument("--layer-freq", type=int, default=1, help="every n-th layer becomes MoE")
+    parser.add_argument("--overwrite", action="store_true")
+    opts = parser.parse_args(argv)
+    try:
+        result = upcycle(opts.dense_ckpt, opts.out, num_experts=opts.experts, topk=opts.topk,
+                         overwrite=opts.overwrite, moe_aux_loss_coeff=opts.aux_loss, moe_layer_freq=opts.layer_freq)
+    except (ConfigError, FileNotFoundError, FileExistsError) as err:
+        print(f"pai_cookbook.moe: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

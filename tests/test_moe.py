@@ -1,6 +1,8 @@
 """Mixture-of-Experts: expert-parallel layouts match one process, router statistics, upcycling."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -79,7 +81,9 @@ def test_upcycled_model_starts_as_the_dense_model(run_scenario, tmp_path):
     convert.hf_to_megatron(hf, dense)
     every_layer, every_other = tmp_path / "moe", tmp_path / "moe_freq2"
     moe.upcycle(dense, every_layer, num_experts=4, topk=2)
-    moe.upcycle(dense, every_other, num_experts=4, topk=2, moe_layer_freq=2)
+    cli = subprocess.run([sys.executable, "-m", "pai_cookbook.moe", "upcycle", str(dense), str(every_other),
+                          "--experts", "4", "--topk", "2", "--layer-freq", "2"], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
     # Megatron-Core MoE logits against the dense Hugging Face model (not an MoE one)
     row = parity.check(hf, every_layer, run_dir=tmp_path / "parity")
     assert row["max_abs_diff"] <= 1e-5 and row["argmax_agreement"] == 1.0, row
@@ -106,6 +110,13 @@ def test_upcycling_refuses_what_would_change_the_function():
         moe.upcycled_config(families.tiny("mixtral"), 4)
     upcycled = moe.upcycled_config(dense, 8, topk=2, moe_aux_loss_coeff=0.01)
     assert (upcycled.num_experts, upcycled.moe_ffn_hidden_size, upcycled.moe_aux_loss_coeff) == (8, 128, 0.01)
+
+
+def test_upcycle_cli_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
+    cli = subprocess.run([sys.executable, "-m", "pai_cookbook.moe", "upcycle", str(tmp_path), str(tmp_path / "out"),
+                          "--experts", "4"], capture_output=True, text=True)
+    assert cli.returncode == 2 and "has no pai_cookbook.json" in cli.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_load_balance_averages_after_warm_up():
