@@ -7,7 +7,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash ci/setup_env.sh
 # --timeout: a hung distributed test fails after 10 minutes instead of eating the CI budget.
 set +e
-.venv/bin/python -m pytest tests -q -rs --timeout 600 "$@"
+# --durations: where the CI budget (30 minutes on 2 cores) goes, printed at the end of every run.
+.venv/bin/python -m pytest tests -q -rs --timeout 600 --durations=25 "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
