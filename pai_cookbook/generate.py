@@ -1,10 +1,313 @@
-"""Text generation. For now the Hugging Face baseline that checks an exported model end to end;
-Megatron-Core generation (KV cache, TP, sampling parameters) belongs here too."""
+"""Text generation from a Megatron-Core checkpoint, and the Hugging Face baseline it is compared with.
+
+    config = GenerationConfig(max_new_tokens=64, top_k=0, top_p=0.9, temperature=0.8)
+    rows = generate.generate("ckpt/iter_0000200", ["The capital of France is"], config)["records"]
+    generate.generate_file("ckpt", "prompts.jsonl", "completions.jsonl", config,
+                           parallel=ParallelConfig(tensor_model_parallel_size=2))
+
+CLI: `python -m pai_cookbook.generate CKPT --input prompts.jsonl --output out.jsonl --tp 2 --top-p 0.9`.
+
+The checkpoint path is all it needs: a cookbook checkpoint (converted, or written by training) carries
+its model config (`pai_cookbook.json`) and tokenizer (`hf_assets/`); a training `save_dir` resolves
+to its latest finished `iter_*`. The seed script's other knobs are derived, not asked for: vocabulary
+padding and extra vocabulary come from the checkpoint's config, the padding length from the batch.
+Everything checkable (sampling values, empty or malformed input, a prompt that does not fit the
+context, a missing tokenizer) is checked here, before any worker starts; generation itself runs in
+`pai_cookbook.generation_worker` under torchrun with Megatron-Core's static inference engine.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
+
+from pai_cookbook import checkpoint, runtime
+from pai_cookbook.config import ConfigError, ParallelConfig
+from pai_cookbook.prompts import encode, eos_ids, load_tokenizer, read_prompts
+
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    """How to decode. Defaults: greedy, 64 new tokens, repetition penalty 1.2 (the seed script's)."""
+
+    max_new_tokens: int = 64
+    """Tokens to generate per prompt at most (the seed script's output sequence length)."""
+    top_k: int = 1
+    """Sample among the k most likely tokens; 1 is greedy decoding, 0 switches top-k off."""
+    top_p: float = 0.0
+    """Nucleus sampling: the smallest set of tokens with this much probability; 0.0 switches it off."""
+    temperature: float = 1.0
+    """Logits are divided by it before top-k/top-p sampling (no effect on greedy decoding)."""
+    repetition_penalty: float = 1.2
+    """Hugging Face's rule on every token already in the prompt or completion: a positive logit is
+    divided by it, a negative one multiplied; 1.0 switches it off."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a completion (cut from the text, finish_reason "stop")."""
+    eos_token_ids: tuple[int, ...] = ()
+    """End-of-sequence ids beyond the checkpoint's own (e.g. a chat model's end-of-turn token)."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens (benchmarks and parity checks of fixed length)."""
+    seed: int = 1234
+    """Sampling seed; outputs depend on it and on batch_size, not on TP, PP or the number of processes."""
+    batch_size: int = 8
+    """Prompts decoded together (the KV cache holds batch_size x sequence tokens per layer)."""
+    max_sequence_length: int | None = None
+    """Context (prompt + new tokens) the KV cache is sized for; None: the model's own limit."""
+    chat_template: str = "auto"
+    """Format prompts with the tokenizer's chat template: "auto" (when it has one), "always", "never"."""
+    dtype: str | None = None
+    """Compute dtype fp32/bf16/fp16; None: the checkpoint's own."""
+    kv_cache: bool = True
+    """Reuse keys/values of earlier tokens (one-token steps); False recomputes the prefix every step."""
+
+    def __post_init__(self) -> None:
+        self.stop, self.eos_token_ids = tuple(self.stop), tuple(self.eos_token_ids)
+        for name in ("max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1.")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} must be >= 0 (1 is greedy, 0 switches top-k off).")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} must be in [0, 1] (0.0 switches nucleus sampling off).")
+        if self.top_k > 0 and self.top_p > 0.0:
+            raise ConfigError(f"top_k={self.top_k} and top_p={self.top_p} are both set; Megatron-Core samples with "
+                              f"one of them: set top_k=0 to sample with top_p, or top_p=0.0 to keep top-k "
+                              f"(top_k=1 is greedy).")
+        if not self.temperature > 0.0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0; for deterministic output use top_k=1.")
+        if not self.repetition_penalty > 0.0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 switches it off).")
+        if self.chat_template not in CHAT_TEMPLATE_MODES:
+            raise ConfigError(f"chat_template={self.chat_template!r}; use one of {CHAT_TEMPLATE_MODES}.")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES} or None (the checkpoint's dtype).")
+        if any(not s for s in self.stop):
+            raise ConfigError(f"stop={self.stop} holds an empty string, which would stop at once; remove it.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.top_k == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs: checkpoint, tokenizer, prompt files -- all checked before a worker starts
+# --------------------------------------------------------------------------------------------------
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A cookbook checkpoint folder, or a training save_dir's latest finished iteration."""
+    path = Path(path)
+    if (path / checkpoint.CONFIG_FILE).exists():
+        return path
+    latest = checkpoint.finished_iterations(path)
+    if latest:
+        return latest[-1]
+    checkpoint.read_config(path)  # raises with what is missing
+    return path
+
+
+def context_limit(model, config: GenerationConfig) -> int:
+    """Tokens (prompt + completion) one sequence may hold: the model's limit, its sliding window (the
+    cookbook's Megatron-Core layers attend to the whole context, equal to the model only within the
+    window), and the configured max_sequence_length."""
+    limits = [model.max_position_embeddings, model.sliding_window, config.max_sequence_length]
+    return min(x for x in limits if x)
+
+
+def check_fits(prompt_ids: Sequence[Sequence[int]], records: Sequence[dict], limit: int, config: GenerationConfig) -> int:
+    """Refuse a prompt that leaves no room for max_new_tokens; returns the KV-cache length needed."""
+    for ids, record in zip(prompt_ids, records):
+        if not ids:
+            raise ValueError(f"line {record.get('line')}: the prompt encodes to no tokens; remove it or give text.")
+        if len(ids) + config.max_new_tokens > limit:
+            raise ValueError(f"line {record.get('line')}: prompt of {len(ids)} tokens + max_new_tokens="
+                             f"{config.max_new_tokens} exceeds the context of {limit} tokens; shorten the prompt "
+                             f"or lower max_new_tokens (to at most {limit - len(ids)}).")
+    return max(len(ids) for ids in prompt_ids) + config.max_new_tokens
+
+
+def check_layout(model, parallel: ParallelConfig) -> None:
+    """Layouts Megatron-Core's static inference runs: TP, PP, EP (not interleaved PP, SP, or TP with EP)."""
+    tp, pp, ep = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                  parallel.expert_model_parallel_size)
+    problems = [
+        (parallel.virtual_pipeline_model_parallel_size is not None,
+         "virtual pipeline parallelism is not supported by Megatron-Core inference; set "
+         "virtual_pipeline_model_parallel_size=None (the checkpoint loads at any layout)"),
+        (parallel.sequence_parallel, "sequence_parallel=True is not supported by Megatron-Core's static inference "
+         "for these models; set it to False (it saves activation memory in training, not in generation)"),
+        (tp > 1 and ep > 1, f"TP={tp} with EP={ep}: Megatron-Core's static inference then needs sequence-parallel "
+         f"MoE layers; use TP or EP alone"),
+        (model.num_attention_heads % tp or model.query_groups % tp,
+         f"TP={tp} must divide the {model.num_attention_heads} attention heads and {model.query_groups} KV groups"),
+        (model.num_layers % pp, f"PP={pp} must divide the {model.num_layers} layers"),
+        (pp > 1 and not runtime.detect_device().is_cuda,
+         f"PP={pp} on CPU: Megatron-Core's inference pipeline send/receive asserts CUDA tensors "
+         f"(inference/communication_utils.py, _is_cuda); use TP on this machine, PP on GPUs"),
+        (ep > 1 and (not model.is_moe or model.num_experts % ep),
+         f"EP={ep} needs a mixture-of-experts model whose expert count it divides"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise ConfigError(message + ".")
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class GenerationJob:
+    """One checkpoint, its tokenized prompts, a decoding config and a layout: a unit of one launch."""
+
+    ckpt: str
+    """Cookbook checkpoint folder (resolved)."""
+    prompt_ids: list[list[int]]
+    """Tokenized prompts, in output order."""
+    config: GenerationConfig = field(default_factory=GenerationConfig)
+    """How to decode."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Layout to load the checkpoint at."""
+    label: str = ""
+    """Name reported with the job's result."""
+
+
+def prepare(ckpt: str | Path, records: Sequence[dict[str, Any]], config: GenerationConfig,
+            parallel: ParallelConfig | None = None, label: str = "") -> GenerationJob:
+    """Check everything about one generation request and tokenize its prompts (no worker starts)."""
+    ckpt = resolve_checkpoint(ckpt)
+    model, _ = checkpoint.read_config(ckpt)
+    parallel = parallel or ParallelConfig()
+    check_layout(model, parallel)
+    tokenizer = load_tokenizer(ckpt)
+    prompt_ids = [encode(tokenizer, r, config.chat_template) for r in records]
+    check_fits(prompt_ids, records, context_limit(model, config), config)
+    return GenerationJob(ckpt=str(Path(ckpt).resolve()), prompt_ids=prompt_ids, config=config, parallel=parallel,
+                         label=label)
+
+
+def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/generate",
+             nproc_per_node: int | None = None, show_progress: bool = True,
+             timeout_s: float | None = None) -> list[dict[str, Any]]:
+    """Run several generation jobs in one torchrun launch (parallel state rebuilt per job).
+
+    Args:
+        jobs: from `prepare`; their layouts must fit the world size.
+        nproc_per_node: processes; default the smallest world holding every layout (lcm of TP x PP x EP
+            worlds). More processes than a layout needs become data-parallel replicas sharing the batches.
+    Returns:
+        One dict per job: "tokens" (generated ids per prompt), "finish" ("eos", "stop" or "length"),
+        "tokens_per_s", "seconds", "ranks_agree", "forward_lengths" (tokens per forward step, per batch).
+    """
+    from pai_cookbook import launch
+    from pai_cookbook.convert import layout_world_size
+
+    world = nproc_per_node or math.lcm(*(layout_world_size(j.parallel) for j in jobs))
+    for job in jobs:
+        job.parallel.data_parallel_size(world)  # raises when the layout does not divide the world
+    payload = []
+    for job in jobs:
+        model, _ = checkpoint.read_config(job.ckpt)
+        payload.append({"ckpt": job.ckpt, "prompt_ids": job.prompt_ids, "config": asdict(job.config),
+                        "parallel": asdict(job.parallel), "label": job.label,
+                        "eos_ids": eos_ids(Path(job.ckpt) / checkpoint.HF_ASSETS, load_tokenizer(job.ckpt))
+                        + list(job.config.eos_token_ids),
+                        "max_sequence": max(len(p) for p in job.prompt_ids) + job.config.max_new_tokens})
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "jobs.json").write_text(json.dumps(payload))
+    result = launch.launch("pai_cookbook.generation_worker", nproc_per_node=world, args=[str(run_dir / "jobs.json")],
+                           run_dir=run_dir, echo=False, show_progress=show_progress, timeout_s=timeout_s)
+    return result["jobs"]
+
+
+def completion_records(ckpt: str | Path, records: Sequence[dict], job: GenerationJob, out: dict) -> list[dict]:
+    """Output records: the input's fields, the completion text (cut at a stop string) and token counts."""
+    tokenizer = load_tokenizer(ckpt)
+    rows = []
+    for record, prompt, tokens, finish in zip(records, job.prompt_ids, out["tokens"], out["finish"]):
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        if finish == "stop":
+            text = text[:min(text.find(s) for s in job.config.stop if s in text)]
+        rows.append({k: v for k, v in record.items() if k != "line"} |
+                    {"completion": text, "prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+                     "finish_reason": finish})
+    return rows
+
+
+def generate(ckpt: str | Path, prompts: Sequence[str | dict[str, Any]], config: GenerationConfig | None = None, *,
+             parallel: ParallelConfig | None = None, nproc_per_node: int | None = None,
+             run_dir: str | Path = "runs/generate", show_progress: bool = True) -> dict[str, Any]:
+    """Complete `prompts` with the Megatron-Core checkpoint `ckpt` (under torchrun, at layout `parallel`).
+
+    Args:
+        ckpt: a cookbook checkpoint, or a training save_dir (its latest iteration).
+        prompts: strings, or records with "prompt" or "messages" (other keys are kept in the output).
+        config: decoding settings; default greedy.
+    Returns:
+        {"records": one dict per prompt (prompt fields, completion, prompt_tokens, completion_tokens,
+        finish_reason), "tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree"}.
+    Raises:
+        ConfigError / ValueError / FileNotFoundError: before any worker starts (see `prepare`).
+    """
+    config = config or GenerationConfig()
+    records = [p if isinstance(p, dict) else {"prompt": p, "line": i + 1} for i, p in enumerate(prompts)]
+    if not records:
+        raise ValueError("no prompts given; pass at least one prompt string.")
+    job = prepare(ckpt, records, config, parallel)
+    (out,) = run_jobs([job], run_dir=run_dir, nproc_per_node=nproc_per_node, show_progress=show_progress)
+    return {"records": completion_records(job.ckpt, records, job, out)} | {
+        k: out[k] for k in ("tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree")}
+
+
+def generate_file(ckpt: str | Path, input_path: str | Path, output_path: str | Path,
+                  config: GenerationConfig | None = None, **kwargs: Any) -> dict[str, Any]:
+    """JSONL (or one prompt per line) in, JSONL out: `generate` on every record of `input_path`."""
+    result = generate(ckpt, read_prompts(input_path), config, **kwargs)
+    output_path = Path(output_path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    output_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result["records"]),
+                           encoding="utf-8")
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# The Hugging Face baseline
+# --------------------------------------------------------------------------------------------------
+def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig) -> dict[str, Any]:
+    """`transformers` `generate` on the same token ids and settings, one prompt at a time (no padding).
+
+    Returns:
+        {"tokens": generated ids per prompt (a final end-of-sequence token dropped, as Megatron-Core
+        does), "tokens_per_s", "seconds"}.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.dtype]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+    eos = eos_ids(hf_dir, AutoTokenizer.from_pretrained(hf_dir)) + list(config.eos_token_ids)
+    # HF switches top-k off with 0 and top-p off with 1.0 (Megatron-Core: top_p 0.0).
+    decoding = ({"do_sample": False} if config.greedy else
+                {"do_sample": True, "top_k": config.top_k, "top_p": config.top_p or 1.0,
+                 "temperature": config.temperature})
+    outputs, start = [], time.perf_counter()
+    with torch.no_grad():
+        for ids in prompt_ids:
+            out = model.generate(torch.tensor([list(ids)]), max_new_tokens=config.max_new_tokens,
+                                 repetition_penalty=config.repetition_penalty,
+                                 eos_token_id=None if config.ignore_eos else eos,
+                                 pad_token_id=eos[0] if eos else None, **decoding)
+            new = out[0, len(ids):].tolist()
+            outputs.append(new[:-1] if new and new[-1] in eos and not config.ignore_eos else new)
+    seconds = time.perf_counter() - start
+    return {"tokens": outputs, "seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds}
 
 
 def hf_complete(hf_dir: str | Path, prompts: Sequence[str], max_new_tokens: int = 32,
@@ -26,3 +329,49 @@ def hf_complete(hf_dir: str | Path, prompts: Sequence[str], max_new_tokens: int 
                                  do_sample=False, pad_token_id=tokenizer.eos_token_id)
             completions.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     return completions
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: exit 0 on success, 2 on bad input (nothing started), 1 on a worker failure."""
+    from pai_cookbook.launch import WorkerError
+
+    p = argparse.ArgumentParser(prog="python -m pai_cookbook.generate", description=__doc__.splitlines()[0])
+    p.add_argument("ckpt", help="cookbook checkpoint folder, or a training save_dir (latest iteration)")
+    p.add_argument("--input", required=True, help=".jsonl with prompt/messages per line, or one prompt per line")
+    p.add_argument("--output", required=True, help="JSONL: input fields + completion, token counts, finish_reason")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--nproc-per-node", type=int, help="processes (default TP x PP; more become data-parallel)")
+    p.add_argument("--run-dir", default="runs/generate")
+    defaults = GenerationConfig()
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        elif isinstance(value, tuple):  # stop strings, extra EOS ids: repeat the flag
+            p.add_argument(flag, action="append", default=[], type=str if name == "stop" else int)
+        else:
+            kind = {"max_sequence_length": int, "dtype": str}.get(name, type(value))
+            p.add_argument(flag, type=kind, default=value)
+    opts = vars(p.parse_args(argv))
+    try:
+        config = GenerationConfig(**{k: opts[k] for k in asdict(defaults)})
+        parallel = ParallelConfig(tensor_model_parallel_size=opts["tp"], pipeline_model_parallel_size=opts["pp"])
+        result = generate_file(opts["ckpt"], opts["input"], opts["output"], config, parallel=parallel,
+                               nproc_per_node=opts["nproc_per_node"], run_dir=opts["run_dir"], show_progress=True)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"pai_cookbook.generate: {err}", file=sys.stderr)
+        return 2
+    except WorkerError as err:
+        print(f"pai_cookbook.generate: {err}", file=sys.stderr)
+        return 1
+    print(f"{len(result['records'])} completions -> {opts['output']}; {result['generated_tokens']} tokens at "
+          f"{result['tokens_per_s']:.1f} tokens/s ({runtime.detect_device().name})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

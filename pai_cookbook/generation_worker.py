@@ -1,0 +1,254 @@
+"""The worker side of `pai_cookbook.generate`: Megatron-Core's own inference stack on every rank.
+
+Each rank builds the model at the job's layout, loads the checkpoint (Megatron-Core reshards it), and
+runs `StaticInferenceEngine` -> `TextGenerationController` -> `GPTInferenceWrapper` with a
+`StaticInferenceContext` (the KV cache): one prefill forward over the shortest prompt, then one
+forward of one token per step. Prompts of different lengths share a batch *right-padded*: a row
+whose prompt is longer keeps feeding its own prompt tokens until they run out, so no padding token is
+ever attended to and no attention mask is needed (Megatron-Core's static batching).
+
+The controller is subclassed only where Hugging Face semantics need something it lacks:
+- repetition penalty (HF's rule: a seen token's logit divided by the penalty if positive, multiplied
+  if negative; "seen" = prompt + generated so far, never padding), applied before temperature/top-k/p;
+- logits of Megatron's vocabulary padding rows masked out (they are not tokens);
+- several end-of-sequence ids (Llama 3 has two) and stop strings, which end a row early.
+Sampling itself (temperature, top-k, top-p, greedy = top-k 1) is Megatron-Core's. Its generator is
+reseeded per batch from (seed, batch index): every TP rank draws the same numbers from the same
+gathered logits, and outputs do not depend on TP, PP or how batches are spread over DP ranks.
+
+With `kv_cache=False` the wrapper recomputes the whole prefix at every step (the O(N^2) baseline the
+benchmark compares against), through the same controller and sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook import checkpoint, runtime, worker
+from pai_cookbook.config import ParallelConfig, PrecisionConfig
+
+FINISH_EOS, FINISH_STOP, FINISH_LENGTH = "eos", "stop", "length"
+_BATCH_SEED_STRIDE = 1_000_003  # a prime above any batch count: distinct (seed, batch) -> distinct streams
+# Pipeline-parallel inference splits a batch into micro-batches above this many batch x sequence
+# tokens; -1 keeps one micro-batch (Megatron-LM's default threshold is 512).
+_PP_MICROBATCH_TOKENS = 512
+
+
+class TokenizerView:
+    """The tokenizer interface Megatron-Core's controller calls, over a Hugging Face tokenizer."""
+
+    def __init__(self, hf_tokenizer, eos_ids: list[int]):
+        self.hf = hf_tokenizer
+        self.eos_ids = eos_ids
+        self.eod = eos_ids[0] if eos_ids else -1  # the controller pads with it; -1: never terminates
+        self.bos = hf_tokenizer.bos_token_id
+        self.vocab_size = len(hf_tokenizer)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.hf(text).input_ids
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _controller_class():
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController)
+
+    class CookbookController(TextGenerationController):
+        """Megatron-Core's controller plus repetition penalty, vocabulary-padding mask, EOS ids, stops."""
+
+        def configure(self, *, vocab_size: int, repetition_penalty: float, eos_ids: list[int],
+                      stop: list[str], prompt_lengths: list[int]) -> None:
+            self.real_vocab, self.penalty, self.stop = vocab_size, repetition_penalty, stop
+            self.eos = torch.tensor(eos_ids, dtype=torch.long)
+            self.prompt_lengths = prompt_lengths
+            self.finish = [FINISH_LENGTH] * len(prompt_lengths)
+
+        def pad_input_prompt_tokens(self, batch_prompt_tokens_list, padded_batch_size, padded_sequence_length):
+            self.position = min(len(p) for p in batch_prompt_tokens_list)  # first sampled position
+            self.tokens = super().pad_input_prompt_tokens(batch_prompt_tokens_list, padded_batch_size,
+                                                          padded_sequence_length)
+            return self.tokens  # updated in place by the controller as tokens are generated
+
+        def sample_from_logits(self, last_token_logits, sampling_params=None, vocab_size=None, **kwargs):
+            logits = last_token_logits.float().clone()
+            logits[:, self.real_vocab:] = float("-inf")  # padding rows of the output layer
+            if self.penalty != 1.0:
+                seen = self.tokens[:logits.shape[0], :self.position].to(logits.device)
+                score = logits.gather(1, seen)
+                score = torch.where(score < 0, score * self.penalty, score / self.penalty)
+                logits.scatter_(1, seen, score)
+            self.position += 1
+            return super().sample_from_logits(logits, sampling_params, vocab_size, **kwargs)
+
+        def update_generation_status(self, updated_prompts_tokens, generation_started,
+                                     current_context_end_position, is_generation_done_tensor,
+                                     generated_sequence_lengths, termination_id=None):
+            # As Megatron-Core's own rule (an end token ends a row and is not counted), for a set of
+            # end ids; a stop string ends the row *after* counting the token that completed it.
+            latest = updated_prompts_tokens[:, current_context_end_position].cpu()
+            started, done = generation_started.cpu(), is_generation_done_tensor.cpu()
+            hit_eos = torch.isin(latest, self.eos) & started & ~done
+            done = done | hit_eos
+            lengths = generated_sequence_lengths.cpu() + (~done & started).to(generated_sequence_lengths.dtype)
+            for row in torch.nonzero(hit_eos).flatten().tolist():
+                self.finish[row] = FINISH_EOS
+            if self.stop:
+                for row in torch.nonzero(started & ~done).flatten().tolist():
+                    start = self.prompt_lengths[row]
+                    text = self.tokenizer.detokenize(
+                        updated_prompts_tokens[row, start:current_context_end_position + 1].tolist())
+                    if any(s in text for s in self.stop):
+                        done[row], self.finish[row] = True, FINISH_STOP
+            device = is_generation_done_tensor.device
+            return done.to(device), lengths.to(device).int()
+
+    return CookbookController
+
+
+def _wrapper_class(kv_cache: bool):
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+
+    class CountingWrapper(GPTInferenceWrapper):
+        """Records the token count of every forward step (what the KV-cache test asserts on)."""
+
+        forward_lengths: list[int]
+
+        def run_one_forward_step(self, inference_input, recv_buffer_seq_len=None):
+            self.forward_lengths.append(int(inference_input["tokens"].shape[1]))
+            return super().run_one_forward_step(inference_input, recv_buffer_seq_len)
+
+    class RecomputingWrapper(CountingWrapper):
+        """No KV cache: every step runs the whole prefix again from position 0."""
+
+        def get_batch_for_context_window(self, inference_input, context_start_position, context_end_position):
+            return super().get_batch_for_context_window(inference_input, 0, context_end_position)
+
+        def run_one_forward_step(self, inference_input, recv_buffer_seq_len=None):
+            self.inference_context.reset()  # offsets back to 0: the cache is refilled, never reused
+            return super().run_one_forward_step(inference_input, recv_buffer_seq_len)
+
+    return CountingWrapper if kv_cache else RecomputingWrapper
+
+
+def build_engine(gpt, model, tokenizer: TokenizerView, config: dict[str, Any], max_sequence: int,
+                 parallel: ParallelConfig, dtype: torch.dtype):
+    """Megatron-Core's static engine over `gpt`, with the cookbook's controller and wrapper."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.engines import StaticInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+
+    wrapper_config = InferenceWrapperConfig(
+        hidden_size=model.hidden_size, params_dtype=dtype, padded_vocab_size=model.padded_vocab_size(
+            parallel.tensor_model_parallel_size), inference_batch_times_seqlen_threshold=_PP_MICROBATCH_TOKENS,
+        inference_max_requests=config["batch_size"], inference_max_seq_length=max_sequence)
+    wrapped = _wrapper_class(config["kv_cache"])(gpt, wrapper_config,
+                                                 StaticInferenceContext.from_config(wrapper_config))
+    wrapped.forward_lengths = []
+    controller = _controller_class()(wrapped, tokenizer)
+    # legacy=True: the batched static path; the dynamic engine needs flash_attn and CUDA graphs.
+    return StaticInferenceEngine(controller, max_batch_size=config["batch_size"], legacy=True)
+
+
+def run_job(job: dict[str, Any], device: runtime.DeviceInfo) -> dict[str, Any]:
+    """Generate every prompt of one job on this rank's share of the batches; results on global rank 0."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.inference_request import InferenceRequest
+    from megatron.core.inference.sampling_params import SamplingParams
+    from transformers import AutoTokenizer
+
+    from pai_cookbook.model import build_model, torch_dtype
+
+    config, parallel = job["config"], ParallelConfig(**job["parallel"])
+    model, saved_dtype = checkpoint.read_config(job["ckpt"])
+    precision = PrecisionConfig(dtype=config["dtype"] or checkpoint.DTYPE_NAMES[saved_dtype])
+    (gpt,) = build_model(model, parallel, precision, device, seed=0)
+    checkpoint.load([gpt], job["ckpt"])
+    tokenizer = TokenizerView(AutoTokenizer.from_pretrained(Path(job["ckpt"]) / checkpoint.HF_ASSETS), job["eos_ids"])
+    prompts = job["prompt_ids"]
+    engine = build_engine(gpt, model, tokenizer, config, job["max_sequence"], parallel, torch_dtype(precision))
+    controller, wrapped = engine.controller, engine.controller.inference_wrapped_model
+    params = SamplingParams(temperature=config["temperature"], top_k=config["top_k"], top_p=float(config["top_p"]),
+                            num_tokens_to_generate=config["max_new_tokens"])
+    params.add_attributes({"no_early_termination": True})  # end-of-sequence is the cookbook controller's rule
+
+    batch_size = config["batch_size"]
+    batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
+    # Data-parallel replicas share the batches. Not with EP > 1: every forward then exchanges tokens
+    # with the other EP ranks, so all ranks must run the same batches step for step.
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    if parallel.expert_model_parallel_size > 1:
+        dp_rank, dp_size = 0, 1
+    mine: dict[int, tuple[list[int], str]] = {}
+    forward_lengths: list[tuple[int, list[int]]] = []
+    start = time.perf_counter()
+    for number, batch in enumerate(batches):
+        if number % dp_size != dp_rank:
+            continue
+        controller.sampling_rng.manual_seed(config["seed"] * _BATCH_SEED_STRIDE + number)
+        controller.configure(vocab_size=model.vocab_size, repetition_penalty=config["repetition_penalty"],
+                             eos_ids=[] if config["ignore_eos"] else job["eos_ids"], stop=config["stop"],
+                             prompt_lengths=[len(prompts[i]) for i in batch])
+        wrapped.forward_lengths = []
+        requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=list(prompts[i]),
+                                     sampling_params=params) for i in batch]
+        for row, (i, request) in enumerate(zip(batch, engine.generate(inference_requests=requests))):
+            mine[i] = (request.generated_tokens.tolist(), controller.finish[row])
+        forward_lengths.append((number, wrapped.forward_lengths))
+        if worker.rank() == 0:
+            worker.progress(min((number + 1) * batch_size, len(prompts)), len(prompts))
+    seconds = time.perf_counter() - start
+    return _gather(job, mine, forward_lengths, seconds, parallel)
+
+
+def _gather(job, mine, forward_lengths, seconds, parallel) -> dict[str, Any]:
+    """Collect every rank's outputs on rank 0; check that the ranks of each model replica agree."""
+    from megatron.core import parallel_state as ps
+
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, {"dp": ps.get_data_parallel_rank(), "outputs": mine,
+                                                   "seconds": seconds, "forward_lengths": forward_lengths})
+    if worker.rank() != 0:
+        return {}
+    merged: dict[int, tuple[list[int], str]] = {}
+    agree = True
+    for share in everyone:  # the TP/PP ranks of one DP replica must hold identical outputs
+        for i, out in share["outputs"].items():
+            agree &= merged.setdefault(i, out) == out
+    tokens = [merged[i][0] for i in range(len(job["prompt_ids"]))]
+    slowest = max(share["seconds"] for share in everyone)
+    generated = sum(len(t) for t in tokens)
+    return {"label": job["label"], "tokens": tokens, "finish": [merged[i][1] for i in range(len(tokens))],
+            "ranks_agree": agree, "seconds": slowest, "generated_tokens": generated,
+            "tokens_per_s": generated / slowest if slowest > 0 else 0.0,
+            "forward_lengths": [lengths for _, lengths in sorted(  # per batch, from whichever rank ran it
+                {number: lengths for share in everyone for number, lengths in share["forward_lengths"]}.items())],
+            "layout": {"tp": parallel.tensor_model_parallel_size, "pp": parallel.pipeline_model_parallel_size,
+                       "ep": parallel.expert_model_parallel_size, "dp": ps.get_data_parallel_world_size()}}
+
+
+@worker.entry
+def main(jobs_path: str) -> dict[str, Any] | None:
+    from megatron.core import parallel_state
+
+    jobs = json.loads(Path(jobs_path).read_text())
+    results = []
+    try:
+        for job in jobs:
+            parallel = ParallelConfig(**job["parallel"])
+            device = runtime.init_distributed(parallel, job["config"]["seed"])  # joins the group once
+            results.append(run_job(job, device))
+            parallel_state.destroy_model_parallel()  # the next job builds its own groups
+        return {"jobs": results} if worker.rank() == 0 else None
+    finally:
+        runtime.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Generation from Megatron-Core checkpoints: exact greedy parity with `transformers` for every family
+at TP1 and TP2, seeded sampling equal across runs and layouts, one-token steps with the KV cache, end
+conditions, and every bad input refused before a worker starts.
+
+Two launches in all: one runs every family at TP1 and TP2 (parallel state rebuilt per job), one repeats
+the sampling run and checks end-of-sequence / stop strings. The Hugging Face side reads the source
+folder the checkpoint was converted from: conversion round trips are bitwise identical (test_convert),
+so it holds the same weights as an export.
+"""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from pai_cookbook import checkpoint, convert, families, generate, launch
+from pai_cookbook.config import ConfigError, ParallelConfig
+from pai_cookbook.generate import GenerationConfig
+from pai_cookbook.tiny_models import make_tiny_hf_model
+
+NEW_TOKENS = 32
+# Prompts of different lengths in one batch (the shortest sets the prefill, the others are fed one
+# token per step), two batches, so TP1's two data-parallel replicas each take one.
+PROMPTS = ["The Python language reference describes", "def f(x): return", "In the beginning",
+           "Chinese paragraphs and the interpreter"]
+GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.0, batch_size=2)
+# Random tiny models would otherwise stop at a random end-of-sequence draw: ignore_eos keeps every
+# completion at 32 tokens on both sides. The penalised run also checks the repetition penalty against
+# transformers' RepetitionPenaltyLogitsProcessor.
+PENALISED = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.2, batch_size=2)
+SAMPLING = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, top_k=0, top_p=0.9, temperature=0.8,
+                            seed=7, batch_size=2)
+TP1, TP2 = ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)
+RECORDS = [{"prompt": p, "line": i + 1} for i, p in enumerate(PROMPTS)]
+LAUNCH_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (HF folder, converted Megatron-Core checkpoint)."""
+    root = tmp_path_factory.mktemp("generate")
+    out = {}
+    for family in families.supported():
+        hf = make_tiny_hf_model(family, root / family)
+        convert.hf_to_megatron(hf, root / f"{family}-mcore")
+        out[family] = (hf, root / f"{family}-mcore")
+    return out
+
+
+@pytest.fixture(scope="module")
+def first_launch(checkpoints, tmp_path_factory):
+    """Every family greedy at TP1 and TP2; llama also penalised, uncached, and sampled at TP1/TP2."""
+    jobs = []
+    for family, (_, ckpt) in checkpoints.items():
+        jobs += [generate.prepare(ckpt, RECORDS, GREEDY, TP1, f"{family} tp1"),
+                 generate.prepare(ckpt, RECORDS, GREEDY, TP2, f"{family} tp2")]
+    llama = checkpoints["llama"][1]
+    jobs += [generate.prepare(llama, RECORDS, PENALISED, TP2, "penalised tp2"),
+             generate.prepare(llama, RECORDS, dataclasses.replace(GREEDY, kv_cache=False), TP1,
+                              "uncached tp1"),
+             generate.prepare(llama, RECORDS, SAMPLING, TP1, "sampling tp1"),
+             generate.prepare(llama, RECORDS, SAMPLING, TP2, "sampling tp2")]
+    results = generate.run_jobs(jobs, run_dir=tmp_path_factory.mktemp("run1"), show_progress=False,
+                                timeout_s=LAUNCH_TIMEOUT_S)
+    return {job.label: (job, result) for job, result in zip(jobs, results)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", families.supported())
+def test_greedy_equals_transformers_at_tp1_and_tp2(family, checkpoints, first_launch):
+    hf, _ = checkpoints[family]
+    job, _ = first_launch[f"{family} tp1"]
+    reference = generate.hf_generate(hf, job.prompt_ids, GREEDY)["tokens"]
+    assert all(len(t) == NEW_TOKENS for t in reference)
+    for tp in (1, 2):
+        result = first_launch[f"{family} tp{tp}"][1]
+        assert result["tokens"] == reference, (tp, result["tokens"], reference)
+        assert result["ranks_agree"] and result["finish"] == ["length"] * len(PROMPTS)
+
+
+@pytest.mark.multiproc
+def test_repetition_penalty_equals_transformers(checkpoints, first_launch):
+    job, result = first_launch["penalised tp2"]
+    assert result["tokens"] == generate.hf_generate(checkpoints["llama"][0], job.prompt_ids, PENALISED)["tokens"]
+    assert result["tokens"] != first_launch["llama tp2"][1]["tokens"]  # the penalty changed something
+
+
+@pytest.mark.multiproc
+def test_kv_cache_runs_one_token_steps(first_launch):
+    # One prefill over the shortest prompt of the batch, then forward steps of one token each: the
+    # longer prompt's remaining tokens, then the new ones (32 in all for every row). Without the cache
+    # every step re-reads the whole prefix, so the lengths grow by one per step.
+    job, cached = first_launch["llama tp1"]
+    _, uncached = first_launch["uncached tp1"]
+    assert len(cached["forward_lengths"]) == len(PROMPTS) // GREEDY.batch_size
+    for batch, lengths in enumerate(cached["forward_lengths"]):
+        rows = job.prompt_ids[batch * GREEDY.batch_size:(batch + 1) * GREEDY.batch_size]
+        shortest, longest = min(map(len, rows)), max(map(len, rows))
+        steps = longest - shortest + NEW_TOKENS
+        assert lengths == [shortest] + [1] * (steps - 1)
+        assert uncached["forward_lengths"][batch] == list(range(shortest, shortest + steps))
+    assert uncached["tokens"] == cached["tokens"]
+
+
+@pytest.fixture(scope="module")
+def second_launch(checkpoints, first_launch, tmp_path_factory):
+    """Sampling again (a new launch); an extra end-of-sequence id and a stop string seen in the greedy output."""
+    llama = checkpoints["llama"][1]
+    greedy = first_launch["llama tp2"][1]["tokens"][0]
+    tokenizer = generate.load_tokenizer(llama)
+    text = tokenizer.decode(greedy, skip_special_tokens=True)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    eos_config = dataclasses.replace(GREEDY, ignore_eos=False, eos_token_ids=(greedy[5],))
+    stop_config = dataclasses.replace(GREEDY, stop=(stop,))
+    jobs = [generate.prepare(llama, RECORDS, SAMPLING, TP2, "sampling"),
+            generate.prepare(llama, RECORDS[:1], eos_config, TP2, "eos"),
+            generate.prepare(llama, RECORDS[:1], stop_config, TP2, "stop")]
+    results = generate.run_jobs(jobs, run_dir=tmp_path_factory.mktemp("run2"), show_progress=False,
+                                timeout_s=LAUNCH_TIMEOUT_S)
+    return {job.label: (job, result) for job, result in zip(jobs, results)}, greedy, text, stop
+
+
+@pytest.mark.multiproc
+def test_seeded_sampling_is_reproducible_and_layout_independent(first_launch, second_launch):
+    tp1 = first_launch["sampling tp1"][1]
+    tp2 = first_launch["sampling tp2"][1]
+    again = second_launch[0]["sampling"][1]
+    assert tp1["tokens"] == tp2["tokens"] == again["tokens"]
+    assert tp2["ranks_agree"] and again["ranks_agree"]  # both TP ranks drew the same tokens
+    assert tp1["tokens"] != first_launch["llama tp1"][1]["tokens"]  # it sampled, not argmax
+
+
+@pytest.mark.multiproc
+def test_end_of_sequence_and_stop_strings_end_a_completion(second_launch):
+    results, greedy, text, stop = second_launch
+    eos = results["eos"][1]
+    # The first end token (the added id, or the tokenizer's own) ends it and is not returned.
+    ends = {greedy[5], generate.load_tokenizer(results["eos"][0].ckpt).eos_token_id}
+    first = next(i for i, token in enumerate(greedy) if token in ends)
+    assert eos["tokens"] == [greedy[:first]] and eos["finish"] == ["eos"]
+    job, result = results["stop"]
+    assert result["finish"] == ["stop"] and len(result["tokens"][0]) < NEW_TOKENS
+    (record,) = generate.completion_records(job.ckpt, RECORDS[:1], job, result)
+    assert record["completion"] == text[:text.find(stop)] and record["finish_reason"] == "stop"
+    assert result["tokens"][0] == greedy[:len(result["tokens"][0])]
+
+
+# -------------------------------------------------------------------------------------------------
+# Refused before any worker starts (launch is replaced by a function that fails the test)
+# -------------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_launch(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a worker was launched for an input that should have been refused")
+    monkeypatch.setattr(launch, "launch", fail)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"top_k": 40, "top_p": 0.9}, r"set top_k=0 to sample with top_p, or top_p=0\.0"),
+    ({"temperature": 0.0}, r"temperature=0\.0 must be > 0"),
+    ({"repetition_penalty": 0.0}, r"repetition_penalty=0\.0 must be > 0"),
+    ({"top_p": 1.5}, r"top_p=1\.5 must be in \[0, 1\]"),
+    ({"max_new_tokens": 0}, r"max_new_tokens=0 must be at least 1"),
+    ({"chat_template": "maybe"}, r"chat_template='maybe'"),
+    ({"stop": ("",)}, r"empty string"),
+])
+def test_bad_generation_config_names_the_fix(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        GenerationConfig(**fields)
+
+
+def test_empty_and_malformed_prompt_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        generate.read_prompts(empty)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: not valid JSON"):
+        generate.read_prompts(bad)
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected an object"):
+        generate.read_prompts(bad)
+    text = tmp_path / "p.txt"
+    text.write_text("one\n\ntwo\n")
+    assert [r["prompt"] for r in generate.read_prompts(text)] == ["one", "two"]
+
+
+def test_bad_requests_are_refused_before_launch(checkpoints, tmp_path, no_launch):
+    _, ckpt = checkpoints["llama"]
+    with pytest.raises(ValueError, match=r"line 2: prompt of \d+ tokens \+ max_new_tokens=32 exceeds the context of 40"):
+        generate.generate(ckpt, ["a", "the Python language reference " * 4],
+                          GenerationConfig(max_new_tokens=32, max_sequence_length=40))
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(ckpt, bare)
+    shutil.rmtree(bare / checkpoint.HF_ASSETS)
+    with pytest.raises(FileNotFoundError, match=r"carries no tokenizer.*hf_assets"):
+        generate.generate(bare, ["hello"])
+    with pytest.raises(ConfigError, match=r"PP=2 on CPU"):
+        generate.generate(ckpt, ["hello"], parallel=ParallelConfig(pipeline_model_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"TP=4 must divide"):
+        generate.generate(ckpt, ["hello"], parallel=ParallelConfig(tensor_model_parallel_size=4))
+    with pytest.raises(FileNotFoundError, match="not a checkpoint written by the cookbook"):
+        generate.generate(tmp_path, ["hello"])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b", "top_k": 1\n')
+    code = generate.main([str(ckpt), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl")])
+    assert code == 2 and not (tmp_path / "o.jsonl").exists()
+    code = generate.main([str(ckpt), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"),
+                          "--top-k", "5", "--top-p", "0.5"])
+    assert code == 2
+
+
+def test_training_save_dir_resolves_to_latest_iteration(checkpoints, tmp_path):
+    _, ckpt = checkpoints["llama"]
+    for step in (2, 10):
+        shutil.copytree(ckpt, checkpoint.iteration_dir(tmp_path, step))
+    checkpoint.iteration_dir(tmp_path, 20).with_suffix(".partial").mkdir()  # unfinished: never chosen
+    assert generate.resolve_checkpoint(tmp_path) == checkpoint.iteration_dir(tmp_path, 10)
+
+
+def test_chat_template_formats_prompts_and_messages(checkpoints):
+    tokenizer = generate.load_tokenizer(checkpoints["llama"][1])
+    plain = generate.encode(tokenizer, {"prompt": "hi"}, "auto")
+    assert plain == tokenizer("hi").input_ids
+    with pytest.raises(ValueError, match="has no chat template"):
+        generate.encode(tokenizer, {"prompt": "hi"}, "always")
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    expected = tokenizer("<s>user: hi\nassistant:", add_special_tokens=False).input_ids
+    assert generate.encode(tokenizer, {"prompt": "hi"}, "auto") == expected
+    assert generate.encode(tokenizer, {"messages": [{"role": "user", "content": "hi"}]}, "auto") == expected
+    assert generate.encode(tokenizer, {"prompt": "hi"}, "never") == plain
+    assert json.dumps(expected)  # plain ints, ready for the workers' JSON
