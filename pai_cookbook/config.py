@@ -5,6 +5,7 @@ documented field here. `RunConfig` bundles the concerns, travels to the workers 
 (`to_json` / `from_json`), and `RunConfig.validate(world_size, device)` checks the cross-field rules
 (parallel layout against model shape and world size, precision against the hardware) so that a bad
 layout fails in the notebook cell, with the fix, and not minutes later inside rank 3's log.
+The model's own architecture, `ModelConfig`, lives in `pai_cookbook.model_config` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -17,179 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pai_cookbook.model_config import ConfigError, ModelConfig, _positive, _require
+
+__all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "MemoryConfig", "ModelConfig", "OptimizerConfig",
+           "ParallelConfig", "PrecisionConfig", "RunConfig", "with_token_budget"]
+
 DType = Literal["fp32", "bf16", "fp16"]
 FP8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
 # Hopper (sm_90) is the first architecture with FP8 tensor cores.
 FP8_MIN_COMPUTE_CAPABILITY = (9, 0)
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the value and the fix."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _positive(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        _require(value is None or value > 0, f"{type(obj).__name__}.{name} must be > 0, got {value}.")
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    """Architecture of a decoder-only transformer, in Megatron-Core's vocabulary.
-
-    `pai_cookbook.families` fills this from a Hugging Face `config.json`; the defaults describe a
-    Llama-style model (RMSNorm, SwiGLU, rotary, no biases, untied embeddings).
-    """
-
-    family: str = "llama"
-    """Registry name of the model family (see `pai_cookbook.families.FAMILIES`)."""
-    num_layers: int
-    """Transformer layers."""
-    hidden_size: int
-    """Model width."""
-    ffn_hidden_size: int
-    """Width of the dense MLP (per branch of SwiGLU)."""
-    num_attention_heads: int
-    """Query heads."""
-    num_query_groups: int | None = None
-    """Key/value heads for grouped-query attention; None means multi-head attention (= heads)."""
-    kv_channels: int | None = None
-    """Head dimension; None means hidden_size / num_attention_heads."""
-    vocab_size: int
-    """Tokenizer vocabulary size, before Megatron's padding (see `padded_vocab_size`)."""
-    make_vocab_size_divisible_by: int = 128
-    """Embedding rows are padded to a multiple of this x TP, so every TP shard is GEMM-friendly."""
-    max_position_embeddings: int
-    """Longest sequence the position encoding is configured for."""
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
-    """Rotary (Llama, Qwen, Mistral) or learned absolute positions (GPT-2)."""
-    rotary_base: float = 10000.0
-    """Rotary base theta (Llama 2: 1e4, Llama 3: 5e5, Qwen2: 1e6)."""
-    rotary_percent: float = 1.0
-    """Fraction of the head dimension that rotates."""
-    rope_scaling_factor: float | None = None
-    """Llama 3.1-style rotary frequency scaling factor; None disables it."""
-    sliding_window: int | None = None
-    """Mistral's attention window; the local attention is full, which is identical while
-    seq_length <= sliding_window (checked by RunConfig)."""
-    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
-    norm_epsilon: float = 1e-5
-    activation: Literal["swiglu", "gelu"] = "swiglu"
-    """MLP activation; swiglu means gated SiLU with gate and up projections."""
-    add_qkv_bias: bool = False
-    """Bias on the QKV projection only (Qwen2)."""
-    add_bias_linear: bool = False
-    """Bias on every linear layer (GPT-2 style)."""
-    qk_layernorm: bool = False
-    """Normalise queries and keys per head (Qwen3)."""
-    tie_word_embeddings: bool = False
-    """Share the input embedding with the output layer (small Qwen2 models)."""
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
-    """Std of the normal weight init for models trained from scratch."""
-
-    num_experts: int | None = None
-    """Routed experts per MoE layer; None means a dense model."""
-    moe_router_topk: int = 2
-    """Experts each token is sent to."""
-    moe_ffn_hidden_size: int | None = None
-    """Width of one routed expert; None means ffn_hidden_size."""
-    moe_shared_expert_intermediate_size: int | None = None
-    """Width of the always-on shared expert (Qwen2-MoE); None means no shared expert."""
-    moe_shared_expert_gate: bool = False
-    """Scale the shared expert by a learned sigmoid gate (Qwen2-MoE)."""
-    moe_router_pre_softmax: bool = False
-    """Softmax over all experts before top-k, without renormalising (Qwen2-MoE norm_topk_prob=False)."""
-    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
-    moe_router_enable_expert_bias: bool = False
-    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, added to sigmoid scores for the top-k
-    choice only, moves each step towards equal load (needs moe_router_score_function='sigmoid')."""
-    moe_router_bias_update_rate: float = 1e-3
-    """Step of that bias per optimizer step."""
-    moe_layer_freq: int | list[int] = 1
-    """Every n-th layer is MoE (1: all, 2: every other layer as GShard did), or a 0/1 flag per layer."""
-    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
-                                            "none"] = "aux_loss"
-    """Aux loss over the micro-batch, per sequence, or over the global batch; Sinkhorn (top-1) balances
-    by assignment instead of by a loss."""
-    moe_aux_loss_coeff: float = 0.0
-    """Load-balancing loss weight (Mixtral: 0.02); 0 trains without it."""
-    moe_z_loss_coeff: float | None = None
-    """Router z-loss weight (ST-MoE: 1e-3); None disables it."""
-    moe_expert_capacity_factor: float | None = None
-    """Tokens an expert takes per micro-batch, as a multiple of its fair share (tokens x top-k / experts);
-    tokens beyond it are dropped (lowest router probability first). None: dropless."""
-    moe_pad_expert_input_to_capacity: bool = False
-    """Pad every expert's input to its capacity (static shapes); needs moe_expert_capacity_factor."""
-    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "alltoall"
-    """How tokens reach experts across EP ranks; flex needs DeepEP (GPU only)."""
-    moe_grouped_gemm: bool | None = None
-    """Grouped GEMM for experts; None picks it on GPU and a per-expert loop on CPU."""
-
-    def __post_init__(self) -> None:
-        _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                  "num_query_groups", "kv_channels", "vocab_size", "max_position_embeddings",
-                  "rotary_base", "num_experts", "moe_router_topk", "sliding_window")
-        _require(not isinstance(self.moe_layer_freq, list) or len(self.moe_layer_freq) == self.num_layers,
-                 f"moe_layer_freq as a list needs one 0/1 flag per layer ({self.num_layers}), "
-                 f"got {len(self.moe_layer_freq) if isinstance(self.moe_layer_freq, list) else 0}.")
-        _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
-                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                 f"{self.num_attention_heads}; set kv_channels (head dim) explicitly or change one of them.")
-        groups = self.query_groups
-        _require(self.num_attention_heads % groups == 0,
-                 f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
-                 f"{groups}; grouped-query attention needs whole groups of query heads per KV head.")
-        if self.num_experts is not None:
-            _require(self.moe_router_topk <= self.num_experts,
-                     f"moe_router_topk {self.moe_router_topk} exceeds num_experts {self.num_experts}; "
-                     f"a token cannot be routed to more experts than exist.")
-            _require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_router_topk == 1,
-                     f"sinkhorn load balancing supports top-1 routing only, got moe_router_topk "
-                     f"{self.moe_router_topk}; use aux_loss or set moe_router_topk=1.")
-            _require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_aux_loss_coeff == 0,
-                     f"sinkhorn balances by assignment and refuses an aux loss; set moe_aux_loss_coeff=0 "
-                     f"(got {self.moe_aux_loss_coeff}).")
-            _require(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
-                     "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' (the bias "
-                     "shifts sigmoid scores); set the score function or disable the bias.")
-            capacity = self.moe_expert_capacity_factor
-            _require(capacity is None or (capacity > 0 and self.moe_router_load_balancing_type != "sinkhorn"),
-                     f"moe_expert_capacity_factor {capacity} must be > 0 (None: dropless) and works with the "
-                     f"aux-loss balancing types, not sinkhorn ({self.moe_router_load_balancing_type!r}).")
-            _require(not self.moe_pad_expert_input_to_capacity or capacity is not None,
-                     "moe_pad_expert_input_to_capacity=True pads to a capacity; set moe_expert_capacity_factor.")
-        if self.position_embedding_type == "rope":
-            # Rotary's slowest component turns once every 2*pi*base tokens: past that, distant
-            # positions alias onto near ones and the model cannot tell them apart.
-            longest_wavelength = 2 * math.pi * self.rotary_base
-            _require(self.max_position_embeddings <= longest_wavelength,
-                     f"max_position_embeddings {self.max_position_embeddings} exceeds rotary's longest "
-                     f"wavelength 2*pi*rotary_base = {longest_wavelength:.0f} tokens (rotary_base "
-                     f"{self.rotary_base:g}); raise rotary_base (Llama 3 uses 500000) or shorten the context.")
-
-    @property
-    def query_groups(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts is not None
-
-    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
-        """Embedding rows after padding to a multiple of make_vocab_size_divisible_by x TP."""
-        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
-        return -(-self.vocab_size // multiple) * multiple
 
 
 @dataclass(kw_only=True)
