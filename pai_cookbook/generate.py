@@ -237,8 +237,22 @@ def completion_records(ckpt: str | Path, records: Sequence[dict], job: Generatio
             text = text[:min(text.find(s) for s in job.config.stop if s in text)]
         rows.append({k: v for k, v in record.items() if k != "line"} |
                     {"completion": text, "prompt_tokens": len(prompt), "completion_tokens": len(tokens),
-                     "finish_reason": finish})
+                     "finish_reason": finish, "completion_ids": tokens})
     return rows
+
+
+def completions_markdown(records: Sequence[dict], reference: Sequence[str] | None = None) -> str:
+    """A Markdown table of prompts and completions, with a reference column (e.g. Hugging Face's) if given."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    columns = ["prompt", "completion", "tokens", "finish"] + (["Hugging Face"] if reference else [])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for i, r in enumerate(records):
+        row = [cell(r.get("prompt", str(r.get("messages")))), cell(r["completion"]), str(r["completion_tokens"]),
+               r["finish_reason"]] + ([cell(reference[i])] if reference else [])
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def generate(ckpt: str | Path, prompts: Sequence[str | dict[str, Any]], config: GenerationConfig | None = None, *,
