@@ -27,6 +27,7 @@ HF_ASSETS = "hf_assets"
 PARTIAL_SUFFIX = ".partial"
 ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+TOKENIZER_ASSET_FILES = tuple(name for name in ASSET_FILES if name not in ("config.json", "generation_config.json"))
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -77,10 +78,10 @@ def read_config(ckpt: str | Path) -> tuple[ModelConfig, torch.dtype]:
     return ModelConfig(**data["model"]), {v: k for k, v in DTYPE_NAMES.items()}[data["dtype"]]
 
 
-def copy_assets(src: Path, dst: Path) -> list[str]:
-    """Copy the Hugging Face config and tokenizer files that exist in `src` into `dst`."""
+def copy_assets(src: Path, dst: Path, names: tuple[str, ...] = ASSET_FILES) -> list[str]:
+    """Copy the Hugging Face config and tokenizer files (`names`) that exist in `src` into `dst`."""
     dst.mkdir(parents=True, exist_ok=True)
-    copied = [name for name in ASSET_FILES if (src / name).exists()]
+    copied = [name for name in names if (src / name).exists()]
     for name in copied:
         shutil.copy2(src / name, dst / name)
     return copied

@@ -275,9 +275,6 @@ class RunConfig:
                      f"num_experts / EP whole experts. Use EP in {_divisors(m.num_experts)}.")
             _require(world_size % (ep * etp * pp) == 0,
                      f"world size {world_size} is not divisible by EP x expert-TP x PP = {ep} x {etp} x {pp}.")
-            _require(tp == 1 or p.sequence_parallel,
-                     f"an MoE model at TP={tp} needs sequence_parallel=True (Megatron-Core's MoE layer refuses to "
-                     f"train without it: each TP rank routes its own slice of the sequence).")
             _require(m.moe_token_dispatcher_type != "flex" or getattr(device, "is_cuda", True),
                      "moe_token_dispatcher_type='flex' needs DeepEP on GPUs; use 'alltoall' on this machine.")
             _require(not (m.moe_grouped_gemm and device is not None and not device.is_cuda),

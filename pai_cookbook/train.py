@@ -245,7 +245,7 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
     if config.data.source == "indexed":
         train_set, valid_set = data.build_datasets(config, config.eval_iters)
     ckpt, dtype = config.checkpoint, torch_dtype(config.precision)
-    assets = Path(ckpt.load_dir) / checkpoint.HF_ASSETS if ckpt.load_dir else None
+    assets = Path(ckpt.load_dir) / checkpoint.HF_ASSETS if ckpt.load_dir else _dataset_tokenizer(config)
     tokens_per_step = config.data.global_batch_size * config.data.seq_length
     history: list[dict[str, float]] = []
     valid_losses: list[tuple[int, float]] = []
@@ -292,13 +292,34 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
     }
 
 
+def _dataset_tokenizer(config: RunConfig) -> Path | None:
+    """From scratch: the tokenizer the dataset was prepared with, so checkpoints carry it (inference and
+    export need it). Staged once as save_dir/tokenizer (tokenizer files only: the folder's config.json
+    describes another model); None when it is gone or changed since the dataset was prepared."""
+    ckpt = config.checkpoint
+    if config.data.source != "indexed" or not ckpt.save_dir:
+        return None
+    summary = data.describe(config.data.paths[0])
+    source = Path(summary["tokenizer"])
+    if not source.exists() or data.tokenizer_fingerprint(source) != summary.get("tokenizer_sha256"):
+        return None
+    staged = Path(ckpt.save_dir) / "tokenizer"
+    if worker.rank() == 0:  # the rank that writes checkpoint assets
+        checkpoint.copy_assets(source, staged, checkpoint.TOKENIZER_ASSET_FILES)
+    return staged
+
+
 def preflight(config: RunConfig, world_size: int) -> None:
     """Checks that need this machine's filesystem, done before any worker starts.
 
     Raises:
         ConfigError / DataError / FileExistsError: naming the problem and the fix.
     """
-    ckpt = config.checkpoint
+    ckpt, parallel = config.checkpoint, config.parallel
+    if config.model.is_moe and parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+        # Megatron-Core's MoE layer raises this in the first training forward (inference is fine without SP).
+        raise ConfigError(f"training an MoE model at TP={parallel.tensor_model_parallel_size} needs "
+                          f"sequence_parallel=True (each TP rank routes its own slice of the sequence).")
     if config.data.source == "indexed":
         data.check_for_training(config)
     if ckpt.load_dir:

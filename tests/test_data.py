@@ -117,3 +117,20 @@ def test_a_dataset_from_another_tokenizer_of_the_same_size_is_refused(tmp_path, 
         train.run(config, run_dir=tmp_path / "run")
     data.prepare([TOKENIZER_CORPUS], tmp_path / "ds", tmp_path / "ckpt" / "hf_assets", show_progress=False)
     data.check_for_training(config)  # the checkpoint's own tokenizer passes
+
+
+def test_a_checkpoint_trained_from_scratch_carries_the_datasets_tokenizer(tmp_path, tokenizer_dir):
+    from pai_cookbook import checkpoint
+    from pai_cookbook.config import CheckpointConfig
+
+    data.prepare([TOKENIZER_CORPUS], tmp_path / "ds", tokenizer_dir, show_progress=False)
+    config = _indexed([tmp_path / "ds"])
+    config.data.split = "80,20,0"
+    config.train_iters = 1
+    config.checkpoint = CheckpointConfig(save_dir=str(tmp_path / "ckpt"))
+    saved = train.run(config, run_dir=tmp_path / "run", show_progress=False, echo=False)["checkpoint"]
+    assets = tmp_path / "ckpt" / "iter_0000001" / checkpoint.HF_ASSETS
+    assert saved == str(assets.parent)
+    # the same vocabulary as the dataset's; no config.json, which would describe another model
+    assert data.tokenizer_fingerprint(assets) == data.describe(tmp_path / "ds")["tokenizer_sha256"]
+    assert not (assets / "config.json").exists()

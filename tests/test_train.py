@@ -174,3 +174,10 @@ def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scena
         other = run(parallel, 2, distributed_optimizer)
         assert other["losses"] == pytest.approx(reference["losses"], abs=1e-4), parallel
         assert [v for _, v in other["valid_losses"]] == pytest.approx([v for _, v in reference["valid_losses"]], abs=1e-4)
+
+
+def test_moe_training_at_tp_without_sequence_parallelism_is_refused_before_launch(tmp_path):
+    config = tiny_run("mixtral", parallel=ParallelConfig(tensor_model_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"training an MoE model at TP=2 needs sequence_parallel=True"):
+        train.run(config, nproc_per_node=2, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
