@@ -383,6 +383,21 @@ def _patch_gloo_uneven_collectives() -> None:
     _rebind(mappings, "_reduce_scatter_along_first_dim", reduce_scatter_uneven)
 
 
+# --- 12. pipeline-parallel inference asserts CUDA tensors -------------------------------------------
+def _patch_inference_pipeline_tensors() -> None:
+    """Let inference pass CPU tensors between pipeline stages.
+
+    `inference/communication_utils` asserts `tensor.is_cuda` before broadcasting the last stage's
+    logits and before each stage's send/receive; the broadcast and p2p themselves work over gloo.
+    """
+    from megatron.core.inference import communication_utils
+
+    def is_tensor(tensor) -> None:
+        assert tensor is not None
+
+    communication_utils._is_cuda = is_tensor
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("current_device", "AssertionError: Torch not compiled with CUDA enabled (rotary embedding, layers)",
           _patch_current_device),
@@ -406,6 +421,8 @@ PATCHES: tuple[Patch, ...] = (
           "selective recompute without TE", _patch_recompute_without_te),
     Patch("gloo_p2p", "no error, silently wrong loss with interleaved pipeline and batched p2p on gloo",
           _patch_gloo_p2p),
+    Patch("inference_pipeline_tensors", "AssertionError at `assert tensor.is_cuda` in inference/communication_utils "
+          "(generation with PP > 1)", _patch_inference_pipeline_tensors),
     Patch("gloo_uneven_collectives", "RuntimeError: ProcessGroupGloo::allgather: invalid tensor size (MoE with "
           "EP > 1 and expert-TP > 1)", _patch_gloo_uneven_collectives),
 )

@@ -148,9 +148,6 @@ def check_layout(model, parallel: ParallelConfig) -> None:
         (model.num_attention_heads % tp or model.query_groups % tp,
          f"TP={tp} must divide the {model.num_attention_heads} attention heads and {model.query_groups} KV groups"),
         (model.num_layers % pp, f"PP={pp} must divide the {model.num_layers} layers"),
-        (pp > 1 and not runtime.detect_device().is_cuda,
-         f"PP={pp} on CPU: Megatron-Core's inference pipeline send/receive asserts CUDA tensors "
-         f"(inference/communication_utils.py, _is_cuda); use TP on this machine, PP on GPUs"),
         (ep > 1 and (not model.is_moe or model.num_experts % ep),
          f"EP={ep} needs a mixture-of-experts model whose expert count it divides"),
     ]
@@ -357,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--input", required=True, help=".jsonl with prompt/messages per line, or one prompt per line")
     p.add_argument("--output", required=True, help="JSONL: input fields + completion, token counts, finish_reason")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (must divide the layers)")
     p.add_argument("--nproc-per-node", type=int, help="processes (default TP x PP; more become data-parallel)")
     p.add_argument("--run-dir", default="runs/generate")
     defaults = GenerationConfig()

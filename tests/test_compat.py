@@ -41,7 +41,8 @@ BREAKS_WITHOUT = {
 
 
 def test_every_patch_has_a_test():
-    assert set(BREAKS_WITHOUT) | {"gloo_p2p"} == {p.name for p in compat.PATCHES}
+    # gloo_p2p: below; inference_pipeline_tensors: tests/test_generate.py (generation at PP=2)
+    assert set(BREAKS_WITHOUT) | {"gloo_p2p", "inference_pipeline_tensors"} == {p.name for p in compat.PATCHES}
 
 
 @pytest.mark.parametrize("patch", sorted(BREAKS_WITHOUT))

@@ -32,6 +32,7 @@ PENALISED = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetit
 SAMPLING = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, top_k=0, top_p=0.9, temperature=0.8,
                             seed=7, batch_size=2)
 TP1, TP2 = ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)
+PP2 = ParallelConfig(pipeline_model_parallel_size=2)
 RECORDS = [{"prompt": p, "line": i + 1} for i, p in enumerate(PROMPTS)]
 LAUNCH_TIMEOUT_S = 600
 
@@ -50,7 +51,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_launch(checkpoints, tmp_path_factory):
-    """Every family greedy at TP1 and TP2; llama also penalised, uncached, and sampled at TP1/TP2."""
+    """Every family greedy at TP1 and TP2; llama also penalised, uncached, sampled at TP1/TP2, and at PP2."""
     jobs = []
     for family, (_, ckpt) in checkpoints.items():
         jobs += [generate.prepare(ckpt, RECORDS, GREEDY, TP1, f"{family} tp1"),
@@ -60,7 +61,9 @@ def first_launch(checkpoints, tmp_path_factory):
              generate.prepare(llama, RECORDS, dataclasses.replace(GREEDY, kv_cache=False), TP1,
                               "uncached tp1"),
              generate.prepare(llama, RECORDS, SAMPLING, TP1, "sampling tp1"),
-             generate.prepare(llama, RECORDS, SAMPLING, TP2, "sampling tp2")]
+             generate.prepare(llama, RECORDS, SAMPLING, TP2, "sampling tp2"),
+             generate.prepare(llama, RECORDS, GREEDY, PP2, "llama pp2"),
+             generate.prepare(llama, RECORDS, SAMPLING, PP2, "sampling pp2")]
     results = generate.run_jobs(jobs, run_dir=tmp_path_factory.mktemp("run1"), show_progress=False,
                                 timeout_s=LAUNCH_TIMEOUT_S)
     return {job.label: (job, result) for job, result in zip(jobs, results)}
@@ -77,6 +80,27 @@ def test_greedy_equals_transformers_at_tp1_and_tp2(family, checkpoints, first_la
         result = first_launch[f"{family} tp{tp}"][1]
         assert result["tokens"] == reference, (tp, result["tokens"], reference)
         assert result["ranks_agree"] and result["finish"] == ["length"] * len(PROMPTS)
+
+
+@pytest.mark.multiproc
+def test_pipeline_parallel_generation_equals_one_process(checkpoints, first_launch):
+    # The last stage's logits are broadcast to every stage, which samples with the same generator.
+    assert first_launch["llama pp2"][1]["tokens"] == first_launch["llama tp1"][1]["tokens"]
+    assert first_launch["sampling pp2"][1]["tokens"] == first_launch["sampling tp1"][1]["tokens"]
+    assert first_launch["llama pp2"][1]["ranks_agree"]
+
+
+@pytest.mark.multiproc
+def test_pipeline_parallel_generation_needs_the_inference_compat_patch(checkpoints, tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the compatibility layer is a no-op on CUDA")
+    monkeypatch.setenv("PAI_COOKBOOK_COMPAT_SKIP", "inference_pipeline_tensors")
+    job = generate.prepare(checkpoints["llama"][1], RECORDS[:1], dataclasses.replace(GREEDY, max_new_tokens=2), PP2)
+    with pytest.raises(launch.WorkerError) as err:
+        generate.run_jobs([job], run_dir=tmp_path, show_progress=False, timeout_s=LAUNCH_TIMEOUT_S)
+    assert "assert tensor.is_cuda" in err.value.log_tail
 
 
 @pytest.mark.multiproc
@@ -197,8 +221,8 @@ def test_bad_requests_are_refused_before_launch(checkpoints, tmp_path, no_launch
     shutil.rmtree(bare / checkpoint.HF_ASSETS)
     with pytest.raises(FileNotFoundError, match=r"carries no tokenizer.*hf_assets"):
         generate.generate(bare, ["hello"])
-    with pytest.raises(ConfigError, match=r"PP=2 on CPU"):
-        generate.generate(ckpt, ["hello"], parallel=ParallelConfig(pipeline_model_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"PP=3 must divide the 2 layers"):
+        generate.generate(ckpt, ["hello"], parallel=ParallelConfig(pipeline_model_parallel_size=3))
     with pytest.raises(ConfigError, match=r"TP=4 must divide"):
         generate.generate(ckpt, ["hello"], parallel=ParallelConfig(tensor_model_parallel_size=4))
     with pytest.raises(FileNotFoundError, match="not a checkpoint written by the cookbook"):
