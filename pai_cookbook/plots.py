@@ -100,3 +100,15 @@ def expert_load(runs: Mapping[str, Sequence[dict]], layer: int = 0, path: str | 
         fig.colorbar(image, ax=ax, label="share / fair share")
     fig.suptitle(f"{title} (MoE layer {layer})")
     return _finish(fig, path)
+
+
+def throughput(speeds: Mapping[str, float], path: str | Path | None = None, ylabel: str = "generated tokens/s",
+               title: str = "Throughput"):
+    """One bar per engine or layout (e.g. {"Megatron-Core TP=2": 169.0, "Hugging Face": 221.0})."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(list(speeds), list(speeds.values()), color=["tab:green", "tab:blue", "tab:orange", "tab:red"][:len(speeds)])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return _finish(fig, path)
