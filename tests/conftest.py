@@ -18,6 +18,24 @@ def tiny_run(family: str = "llama", *, model_overrides: dict | None = None, **fi
     return RunConfig(model=families.tiny(family, **(model_overrides or {})), **fields)
 
 
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """family -> (tiny HF folder, Megatron-Core checkpoint, HF export of it), made once per session for
+    the conversion and generation tests."""
+    from pai_cookbook import convert
+    from pai_cookbook.tiny_models import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("convert")
+    out = {}
+    for family in families.supported():
+        hf = make_tiny_hf_model(family, root / family)
+        ckpt, back = root / f"{family}-mcore", root / f"{family}-hf"
+        convert.hf_to_megatron(hf, ckpt)
+        convert.megatron_to_hf(ckpt, back)
+        out[family] = (hf, ckpt, back)
+    return out
+
+
 @pytest.fixture
 def run_scenario(tmp_path):
     """Run a scenario under torchrun; returns rank 0's result or raises launch.WorkerError."""

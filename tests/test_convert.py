@@ -17,20 +17,6 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
 MOE_LAYOUTS = [(1, 1, 2), (2, 1, 2)]
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """family -> (HF folder, Megatron checkpoint, HF export), each made once."""
-    root = tmp_path_factory.mktemp("convert")
-    out = {}
-    for family in families.supported():
-        hf = make_tiny_hf_model(family, root / family)
-        ckpt, back = root / f"{family}-mcore", root / f"{family}-hf"
-        convert.hf_to_megatron(hf, ckpt)
-        convert.megatron_to_hf(ckpt, back)
-        out[family] = (hf, ckpt, back)
-    return out
-
-
 def assert_parity(r: dict) -> None:
     # The issue's bounds: fp32 cosine >= 0.99999, max |diff| <= 1e-4, all argmaxes equal, loss to 1e-5.
     assert r["cosine"] >= 0.99999 and r["max_abs_diff"] <= 1e-4, r

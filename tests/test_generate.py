@@ -3,9 +3,8 @@ at TP1 and TP2, seeded sampling equal across runs and layouts, one-token steps w
 conditions, and every bad input refused before a worker starts.
 
 Two launches in all: one runs every family at TP1 and TP2 (parallel state rebuilt per job), one repeats
-the sampling run and checks end-of-sequence / stop strings. The Hugging Face side reads the source
-folder the checkpoint was converted from: conversion round trips are bitwise identical (test_convert),
-so it holds the same weights as an export.
+the sampling run and checks end-of-sequence / stop strings. The Hugging Face side is the model exported
+from the checkpoint with the converter (the session's `converted` fixture, shared with test_convert).
 """
 
 import dataclasses
@@ -14,10 +13,9 @@ import shutil
 
 import pytest
 
-from pai_cookbook import checkpoint, convert, families, generate, launch
+from pai_cookbook import checkpoint, families, generate, launch
 from pai_cookbook.config import ConfigError, ParallelConfig
 from pai_cookbook.generate import GenerationConfig
-from pai_cookbook.tiny_models import make_tiny_hf_model
 
 NEW_TOKENS = 32
 # Prompts of different lengths in one batch (the shortest sets the prefill, the others are fed one
@@ -38,15 +36,9 @@ LAUNCH_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """family -> (HF folder, converted Megatron-Core checkpoint)."""
-    root = tmp_path_factory.mktemp("generate")
-    out = {}
-    for family in families.supported():
-        hf = make_tiny_hf_model(family, root / family)
-        convert.hf_to_megatron(hf, root / f"{family}-mcore")
-        out[family] = (hf, root / f"{family}-mcore")
-    return out
+def checkpoints(converted):
+    """family -> (HF model exported from the checkpoint, converted Megatron-Core checkpoint)."""
+    return {family: (back, ckpt) for family, (_, ckpt, back) in converted.items()}
 
 
 @pytest.fixture(scope="module")
