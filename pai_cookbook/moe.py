@@ -60,8 +60,10 @@ class RouterStats:
         model, parallel = config.model, config.parallel
         self.num_experts = model.num_experts
         self.moe_layers = [i for i, moe in enumerate(moe_layer_flags(model)) if moe]
-        self.counts = torch.zeros(model.num_layers, model.num_experts, dtype=torch.float64)
-        self.dropped = torch.zeros(model.num_layers, dtype=torch.float64)
+        # Counted on the model's device: a hook that copied to the host would sync the GPU per layer.
+        device = next(chunks[0].parameters()).device
+        self.counts = torch.zeros(model.num_layers, model.num_experts, dtype=torch.float64, device=device)
+        self.dropped = torch.zeros(model.num_layers, dtype=torch.float64, device=device)
         self.duplicates = 1 if parallel.sequence_parallel else parallel.tensor_model_parallel_size
         dp = ps.get_data_parallel_world_size()
         self.num_microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
@@ -75,8 +77,8 @@ class RouterStats:
         # Padding to capacity adds zero-probability fillers to the map: they are not routed tokens.
         kept = routing_map & (probs > 0)
         layer = router.layer_number - 1
-        self.counts[layer] += kept.sum(0).double().cpu()
-        self.dropped[layer] += routing_map.shape[0] * router.topk - int(kept.sum())
+        self.counts[layer] += kept.sum(0)
+        self.dropped[layer] += routing_map.shape[0] * router.topk - kept.sum()
 
     def step(self) -> dict[str, Any]:
         """This step's figures (collective: every rank calls it); resets the counters.
@@ -90,8 +92,6 @@ class RouterStats:
         from megatron.core.transformer.moe import moe_utils
 
         flat = torch.cat([self.counts.flatten(), self.dropped])
-        if torch.cuda.is_available():
-            flat = flat.cuda()
         torch.distributed.all_reduce(flat)
         flat = flat.cpu() / self.duplicates
         counts = flat[:self.counts.numel()].view_as(self.counts)[self.moe_layers]
@@ -124,7 +124,7 @@ def load_balance(history: list[dict[str, Any]], skip: int) -> torch.Tensor:
     """Mean expert shares after warm-up, in units of the fair share: [MoE layers, experts].
 
     Args:
-        history: `train.run(...)["history"]` entries (each with `expert_load`).
+        history: `train.run(...)["router"]`: per-step router figures (each with `expert_load`).
         skip: warm-up steps left out.
     """
     loads = torch.tensor([h["expert_load"] for h in history[skip:]], dtype=torch.float64)

@@ -273,6 +273,8 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
             shown = ("loss", "lr", "tokens_per_s") + (("min_load", "max_load") if router else ())
             worker.progress(done, config.train_iters, **{k: history[-1][k] for k in shown})
     log.close()
+    if router is not None:
+        router.close()
     elapsed = time.perf_counter() - start
     return {
         "first_step": first_step,
