@@ -235,16 +235,12 @@ def _gather(job, mine, forward_lengths, seconds, parallel) -> dict[str, Any]:
 
 @worker.entry
 def main(jobs_path: str) -> dict[str, Any] | None:
-    from megatron.core import parallel_state
-
     jobs = json.loads(Path(jobs_path).read_text())
     results = []
     try:
-        for job in jobs:
-            parallel = ParallelConfig(**job["parallel"])
-            device = runtime.init_distributed(parallel, job["config"]["seed"])  # joins the group once
+        layouts = ((ParallelConfig(**job["parallel"]), job["config"]["seed"]) for job in jobs)
+        for job, device in zip(jobs, runtime.each_layout(layouts)):
             results.append(run_job(job, device))
-            parallel_state.destroy_model_parallel()  # the next job builds its own groups
         return {"jobs": results} if worker.rank() == 0 else None
     finally:
         runtime.destroy_distributed()

@@ -142,8 +142,6 @@ def _config(model, parallel: ParallelConfig, world: int, batch: int, seq: int) -
 def main(layouts_path: str, hf_dir: str, ckpt: str) -> dict[str, Any] | None:
     import json
 
-    from megatron.core import parallel_state
-
     from pai_cookbook.model import build_model
 
     configs = [RunConfig.from_json(json.dumps(c)) for c in json.loads(Path(layouts_path).read_text())]
@@ -152,8 +150,7 @@ def main(layouts_path: str, hf_dir: str, ckpt: str) -> dict[str, Any] | None:
     reference = hf_logits(hf_dir, tokens) if worker.rank() == 0 else None
     rows = []
     try:
-        for config in configs:
-            device = runtime.init_distributed(config.parallel, config.seed)  # joins the group once
+        for config, device in zip(configs, runtime.each_layout((c.parallel, c.seed) for c in configs)):
             chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
             checkpoint.load(chunks, ckpt)
             for chunk in chunks:
@@ -161,7 +158,6 @@ def main(layouts_path: str, hf_dir: str, ckpt: str) -> dict[str, Any] | None:
             logits = megatron_logits(chunks, tokens)
             if reference is not None:
                 rows.append(compare_logits(reference, logits[..., :config.model.vocab_size], tokens))
-            parallel_state.destroy_model_parallel()  # the next layout builds its own groups
         return {"rows": rows} if worker.rank() == 0 else None
     finally:
         runtime.destroy_distributed()

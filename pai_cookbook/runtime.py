@@ -20,7 +20,7 @@ import platform
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -160,6 +160,23 @@ def init_distributed(parallel: Any, seed: int) -> DeviceInfo:
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return device
+
+
+def each_layout(layouts: Iterable[tuple[Any, int]]) -> Iterator[DeviceInfo]:
+    """Megatron-Core's parallel state for each (ParallelConfig, seed) in turn, inside one process group.
+
+    Several layouts in one launch (parity, generation and test runs) pay torchrun's and Megatron-Core's
+    start-up once; the process group is joined on the first layout and kept, the parallel groups are
+    rebuilt per layout. The caller's `destroy_distributed` ends the group.
+    """
+    from megatron.core import parallel_state
+
+    for parallel, seed in layouts:
+        device = init_distributed(parallel, seed)
+        try:
+            yield device
+        finally:
+            parallel_state.destroy_model_parallel()  # the next layout builds its own groups
 
 
 def destroy_distributed() -> None:

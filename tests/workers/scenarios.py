@@ -59,14 +59,8 @@ def param_counts(config: RunConfig, device) -> dict:
 
 
 def layouts(configs: list[RunConfig]) -> dict:
-    from megatron.core import parallel_state
-
-    runs = []
-    for config in configs:
-        device = runtime.init_distributed(config.parallel, config.seed)  # joins the group once
-        runs.append(train(config, device))
-        parallel_state.destroy_model_parallel()  # the next layout builds its own groups
-    return {"runs": runs}
+    devices = runtime.each_layout((c.parallel, c.seed) for c in configs)
+    return {"runs": [train(config, device) for config, device in zip(configs, devices)]}
 
 
 @worker.entry
