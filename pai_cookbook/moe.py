@@ -133,6 +133,20 @@ def load_balance(history: list[dict[str, Any]], skip: int) -> torch.Tensor:
     return loads.mean(dim=0) * loads.shape[-1]
 
 
+def layout_parity(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """How closely two `train.run` results of one MoE training at two layouts agree.
+
+    Layouts differ by float rounding (~1e-7); top-k routing turns that into a different choice only at
+    a near-tie, after which the runs train on slightly different paths. So the loss is compared over
+    the steps whose routing (every expert's token count) was identical, and that step count is reported.
+    """
+    same = next((i for i, (a, b) in enumerate(zip(reference["router"], other["router"]))
+                 if a["expert_load"] != b["expert_load"]), len(reference["router"]))
+    diffs = [abs(a - b) for a, b in zip(reference["losses"], other["losses"])]
+    return {"identical_routing_steps": same, "max_abs_diff_identical_routing": max(diffs[:same], default=0.0),
+            "max_abs_diff": max(diffs)}
+
+
 # ------------------------------------------------------------------------------------------------
 # Dense -> MoE upcycling
 # ------------------------------------------------------------------------------------------------
