@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash ci/setup_env.sh
+# The linter first: a tree that is not clean under ruff (pyproject.toml) fails before the long tiers.
+.venv/bin/ruff check .
 # --timeout: a hung distributed test fails after 10 minutes instead of eating the CI budget.
 set +e
 # --durations: where the CI budget (30 minutes on 2 cores) goes, printed at the end of every run.

@@ -17,11 +17,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
+
+from pai_cookbook.core import nodes, tokenizer
 
 SIDECAR_SUFFIX = ".json"
 DOCS_PER_TASK = 64
@@ -39,9 +42,27 @@ def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"input {path} does not exist.")
+    if path.suffix not in (".jsonl", ".txt"):
+        raise DataError(f"input {path} has suffix {path.suffix!r}; the cookbook reads .jsonl and .txt.")
+    try:
+        yield from _documents(path, text_field)
+    except UnicodeDecodeError as err:
+        with path.open("rb") as f:
+            line = f.read(err.start).count(b"\n") + 1 if path.suffix == ".txt" else None
+        where = f"{path}:{line}" if line else str(path)
+        raise DataError(f"{where}: not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} at offset "
+                        f"{err.start}); convert the file to UTF-8, e.g. `iconv -f GBK -t UTF-8`.") from None
+
+
+def _documents(path: Path, text_field: str) -> Iterator[str]:
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(f"{path}:{number}: not UTF-8 text (byte {raw[err.start:err.start + 1]!r}); convert "
+                                    f"the file to UTF-8, e.g. `iconv -f GBK -t UTF-8`.") from None
                 if not line.strip():
                     continue
                 try:
@@ -63,26 +84,9 @@ def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
                 paragraph = []
         if paragraph:
             yield "\n".join(paragraph)
-    else:
-        raise DataError(f"input {path} has suffix {path.suffix!r}; the cookbook reads .jsonl and .txt.")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
-
-
-def tokenizer_fingerprint(folder: str | Path) -> str | None:
-    """SHA-256 over a tokenizer folder's vocabulary files; None when it has none of them."""
-    import hashlib
-
-    digest, found = hashlib.sha256(), False
-    for name in TOKENIZER_FILES:
-        path = Path(folder) / name
-        if path.exists():
-            digest.update(name.encode() + path.read_bytes())
-            found = True
-    return digest.hexdigest() if found else None
-
-
+@nodes.node0_only
 def write_default_corpus(path: str | Path) -> Path:
     """Write the cookbook's default training corpus as JSONL and return its path.
 
@@ -93,15 +97,12 @@ def write_default_corpus(path: str | Path) -> Path:
     would put one language only into the validation split.
     """
     import random
-
     from pydoc_data.topics import topics
-
-    from pai_cookbook.tiny_models import TOKENIZER_CORPUS
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     records = [{"text": topics[name], "source": f"pydoc_data.topics/{name}"} for name in sorted(topics)]
-    records += [{"text": doc, "source": "cookbook"} for doc in read_documents(TOKENIZER_CORPUS) if not doc.isascii()]
+    records += [{"text": doc, "source": "cookbook"} for doc in read_documents(tokenizer.TOKENIZER_CORPUS) if not doc.isascii()]
     random.Random(0).shuffle(records)
     with path.open("w", encoding="utf-8") as f:
         for record in records:
@@ -132,6 +133,7 @@ def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+@nodes.node0_only
 def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_dir: str | Path, *,
             text_field: str = "text", workers: int = 2, append_eod: bool = True,
             show_progress: bool = True) -> dict[str, Any]:
@@ -148,11 +150,10 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
     Raises:
         DataError: missing, empty or malformed input (with the line number).
     """
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    eod = tokenizer.eos_token_id
+    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eod = hf_tokenizer.eos_token_id
     if append_eod and eod is None:
         raise DataError(f"tokenizer in {tokenizer_dir} has no eos_token; set one or pass append_eod=False.")
     for path in inputs:  # fail on a missing or malformed file before writing anything
@@ -161,11 +162,37 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = prefix.with_name(prefix.name + ".partial")
-    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(len(tokenizer)))
-    documents = tokens = 0
+    partial_files = [Path(f"{tmp}.bin"), Path(f"{tmp}.idx")]
     start = time.perf_counter()
+    try:
+        documents, tokens = _write_dataset(inputs, tmp, hf_tokenizer, tokenizer_dir, text_field, workers,
+                                           eod if append_eod else None, show_progress)
+    except BaseException as err:
+        for path in partial_files:  # a failed write leaves nothing behind (nor a full disk)
+            path.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno is not None and not isinstance(err, FileNotFoundError):
+            raise OSError(err.errno, f"{err.strerror or err} while writing {tmp}.bin/.idx (dataset {prefix}); "
+                                     f"nothing was kept") from err
+        raise
+    seconds = time.perf_counter() - start
+    summary = {"documents": documents, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+               "vocab_size": len(hf_tokenizer), "eod": eod, "tokenizer": str(Path(tokenizer_dir).resolve()),
+               "tokenizer_sha256": tokenizer.fingerprint(tokenizer_dir),
+               "inputs": [str(p) for p in inputs]}
+    for suffix in (".bin", ".idx"):  # the pair appears only when complete
+        os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    Path(f"{prefix}{SIDECAR_SUFFIX}").write_text(json.dumps(summary, indent=2))
+    return summary | {"files": [f"{prefix}.bin", f"{prefix}.idx"]}
+
+
+def _write_dataset(inputs: Sequence[str | Path], tmp: Path, hf_tokenizer: Any, tokenizer_dir: str | Path,
+                   text_field: str, workers: int, eod: int | None, show_progress: bool) -> tuple[int, int]:
+    """Tokenize every input into `<tmp>.bin/.idx`; returns (documents, tokens)."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm.auto import tqdm
 
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(len(hf_tokenizer)))
+    documents = tokens = 0
     progress = tqdm(desc="tokenizing", unit="doc", disable=not show_progress)
     # fork (Linux): workers need not re-import the caller's __main__, so a script without an
     # `if __name__ == "__main__":` guard works too; they only tokenize (no torch, no threads shared).
@@ -174,7 +201,7 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
         for path in inputs:
             for ids_batch in pool.imap(_tokenize, _batches(read_documents(path, text_field), DOCS_PER_TASK)):
                 for ids in ids_batch:
-                    if append_eod:
+                    if eod is not None:
                         ids = ids + [eod]
                     builder.add_document(np.asarray(ids), [len(ids)])
                     tokens += len(ids)
@@ -182,15 +209,7 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
                 progress.update(len(ids_batch))
     progress.close()
     builder.finalize(f"{tmp}.idx")
-    seconds = time.perf_counter() - start
-    summary = {"documents": documents, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-               "vocab_size": len(tokenizer), "eod": eod, "tokenizer": str(Path(tokenizer_dir).resolve()),
-               "tokenizer_sha256": tokenizer_fingerprint(tokenizer_dir),
-               "inputs": [str(p) for p in inputs]}
-    for suffix in (".bin", ".idx"):  # the pair appears only when complete
-        os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
-    Path(f"{prefix}{SIDECAR_SUFFIX}").write_text(json.dumps(summary, indent=2))
-    return summary | {"files": [f"{prefix}.bin", f"{prefix}.idx"]}
+    return documents, tokens
 
 
 def describe(prefix: str | Path) -> dict[str, Any]:
@@ -285,10 +304,10 @@ def check_for_training(run: Any) -> None:
     Raises:
         DataError: naming the dataset and the fix.
     """
-    from pai_cookbook import checkpoint
+    from pai_cookbook.core import checkpoint
 
     load_dir = run.checkpoint.load_dir
-    expected = tokenizer_fingerprint(Path(load_dir) / checkpoint.HF_ASSETS) if load_dir else None
+    expected = tokenizer.fingerprint(Path(load_dir) / checkpoint.HF_ASSETS) if load_dir else None
     for prefix in run.data.paths:
         summary = describe(prefix)
         if expected and summary.get("tokenizer_sha256") not in (None, expected):
@@ -307,3 +326,36 @@ def check_for_training(run: Any) -> None:
             raise DataError(f"dataset {prefix} has {summary['documents']} documents; split {run.data.split!r} leaves "
                             f"the {' and '.join(empty)} split empty. Use more documents or a split that gives each "
                             f"at least one (e.g. '80,20,0').")
+
+
+def read_prompts(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a prompt file: `.jsonl` objects with "prompt" (text) or "messages" (chat), other keys kept;
+    any other file: one prompt per non-empty line.
+
+    Raises:
+        ValueError: the file is empty, or a line is not a JSON object with a string "prompt" or a
+            "messages" list (the message names the line number).
+    """
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            records.append({"prompt": line, "line": number})
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); each line must be "
+                             f'one object such as {{"prompt": "..."}}.') from err
+        ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or isinstance(record.get("messages"), list))
+        if not ok:
+            raise ValueError(f"{path}:{number}: expected an object with a string \"prompt\" or a \"messages\" list "
+                             f"of {{\"role\", \"content\"}}; found {line[:80]!r}.")
+        records.append(record | {"line": number})
+    if not records:
+        raise ValueError(f"{path} holds no prompts (empty or blank lines only); write one prompt per line "
+                         f'(.txt) or one {{"prompt": "..."}} object per line (.jsonl).')
+    return records

@@ -13,7 +13,7 @@ to its latest finished `iter_*`. The seed script's other knobs are derived, not 
 padding and extra vocabulary come from the checkpoint's config, the padding length from the batch.
 Everything checkable (sampling values, empty or malformed input, a prompt that does not fit the
 context, a missing tokenizer) is checked here, before any worker starts; generation itself runs in
-`pai_cookbook.generation_worker` under torchrun with Megatron-Core's static inference engine.
+`pai_cookbook.workers.generate` under torchrun with Megatron-Core's static inference engine.
 """
 
 from __future__ import annotations
@@ -21,15 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar
 
-from pai_cookbook import checkpoint, runtime
-from pai_cookbook.config import ConfigError, ParallelConfig
-from pai_cookbook.prompts import encode, eos_ids, load_tokenizer, read_prompts
+from pai_cookbook.core import checkpoint, layout, runtime
+from pai_cookbook.core.checkpoint import load_tokenizer
+from pai_cookbook.core.config import ConfigError, ParallelConfig
+from pai_cookbook.core.tokenizer import encode, eos_ids
+from pai_cookbook.core.worker import Job
+from pai_cookbook.data import read_prompts
 
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -133,29 +138,6 @@ def check_fits(prompt_ids: Sequence[Sequence[int]], records: Sequence[dict], lim
     return max(len(ids) for ids in prompt_ids) + config.max_new_tokens
 
 
-def check_layout(model, parallel: ParallelConfig) -> None:
-    """Layouts Megatron-Core's static inference runs: TP, PP, EP (not interleaved PP, SP, or TP with EP)."""
-    tp, pp, ep = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                  parallel.expert_model_parallel_size)
-    problems = [
-        (parallel.virtual_pipeline_model_parallel_size is not None,
-         "virtual pipeline parallelism is not supported by Megatron-Core inference; set "
-         "virtual_pipeline_model_parallel_size=None (the checkpoint loads at any layout)"),
-        (parallel.sequence_parallel, "sequence_parallel=True is not supported by Megatron-Core's static inference "
-         "for these models; set it to False (it saves activation memory in training, not in generation)"),
-        (tp > 1 and ep > 1, f"TP={tp} with EP={ep}: Megatron-Core's static inference then needs sequence-parallel "
-         f"MoE layers; use TP or EP alone"),
-        (model.num_attention_heads % tp or model.query_groups % tp,
-         f"TP={tp} must divide the {model.num_attention_heads} attention heads and {model.query_groups} KV groups"),
-        (model.num_layers % pp, f"PP={pp} must divide the {model.num_layers} layers"),
-        (ep > 1 and (not model.is_moe or model.num_experts % ep),
-         f"EP={ep} needs a mixture-of-experts model whose expert count it divides"),
-    ]
-    for bad, message in problems:
-        if bad:
-            raise ConfigError(message + ".")
-
-
 # --------------------------------------------------------------------------------------------------
 # Launch
 # --------------------------------------------------------------------------------------------------
@@ -173,6 +155,19 @@ class GenerationJob:
     """Layout to load the checkpoint at."""
     label: str = ""
     """Name reported with the job's result."""
+    eos_ids: list[int] = field(default_factory=list)
+    """End-of-sequence ids: the checkpoint's own, then the config's `eos_token_ids`."""
+    max_sequence: int = 0
+    """Longest prompt + max_new_tokens: what the KV cache is sized for."""
+
+
+@dataclass(kw_only=True)
+class GenerationBatch(Job):
+    """The generation worker's job: several `GenerationJob`s run in one launch."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.generate"
+
+    jobs: list[GenerationJob]
 
 
 def prepare(ckpt: str | Path, records: Sequence[dict[str, Any]], config: GenerationConfig,
@@ -181,12 +176,13 @@ def prepare(ckpt: str | Path, records: Sequence[dict[str, Any]], config: Generat
     ckpt = resolve_checkpoint(ckpt)
     model, _ = checkpoint.read_config(ckpt)
     parallel = parallel or ParallelConfig()
-    check_layout(model, parallel)
-    tokenizer = load_tokenizer(ckpt)
-    prompt_ids = [encode(tokenizer, r, config.chat_template) for r in records]
-    check_fits(prompt_ids, records, context_limit(model, config), config)
+    layout.check(model, parallel, purpose="infer")
+    hf_tokenizer = load_tokenizer(ckpt)
+    prompt_ids = [encode(hf_tokenizer, r, config.chat_template) for r in records]
+    longest = check_fits(prompt_ids, records, context_limit(model, config), config)
+    eos = eos_ids(ckpt / checkpoint.HF_ASSETS, hf_tokenizer) + list(config.eos_token_ids)
     return GenerationJob(ckpt=str(Path(ckpt).resolve()), prompt_ids=prompt_ids, config=config, parallel=parallel,
-                         label=label)
+                         label=label, eos_ids=eos, max_sequence=longest)
 
 
 def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/generate",
@@ -202,26 +198,34 @@ def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/gener
         One dict per job: "tokens" (generated ids per prompt), "finish" ("eos", "stop" or "length"),
         "tokens_per_s", "seconds", "ranks_agree", "forward_lengths" (tokens per forward step, per batch).
     """
-    from pai_cookbook import launch
-    from pai_cookbook.convert import layout_world_size
+    from pai_cookbook.core import launch
 
-    world = nproc_per_node or math.lcm(*(layout_world_size(j.parallel) for j in jobs))
-    for job in jobs:
-        job.parallel.data_parallel_size(world)  # raises when the layout does not divide the world
-    payload = []
+    world = nproc_per_node or math.lcm(*(layout.world_size(j.parallel) for j in jobs))
     for job in jobs:
         model, _ = checkpoint.read_config(job.ckpt)
-        payload.append({"ckpt": job.ckpt, "prompt_ids": job.prompt_ids, "config": asdict(job.config),
-                        "parallel": asdict(job.parallel), "label": job.label,
-                        "eos_ids": eos_ids(Path(job.ckpt) / checkpoint.HF_ASSETS, load_tokenizer(job.ckpt))
-                        + list(job.config.eos_token_ids),
-                        "max_sequence": max(len(p) for p in job.prompt_ids) + job.config.max_new_tokens})
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "jobs.json").write_text(json.dumps(payload))
-    result = launch.launch("pai_cookbook.generation_worker", nproc_per_node=world, args=[str(run_dir / "jobs.json")],
-                           run_dir=run_dir, echo=False, show_progress=show_progress, timeout_s=timeout_s)
+        layout.check(model, job.parallel, world, purpose="infer")
+    result = launch.launch(GenerationBatch(jobs=list(jobs)), nproc_per_node=world, run_dir=run_dir, echo=False,
+                           show_progress=show_progress, timeout_s=timeout_s)
     return result["jobs"]
+
+
+def check_output_file(path: Path) -> None:
+    """Refuse an output file that cannot be written, before the work that fills it.
+
+    Raises:
+        ValueError: the path is a directory, its folder is a file, or either is read-only.
+    """
+    if path.is_dir():
+        raise ValueError(f"--output {path} is a directory; give a file path such as {path / 'completions.jsonl'}.")
+    folder = path.parent
+    while not folder.exists():  # the nearest existing ancestor must let us create the rest
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"--output {path}: {folder} is a file, not a folder; choose another output path.")
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise ValueError(f"--output {path}: {target} is not writable by this user; choose a writable path.")
+    path.parent.mkdir(parents=True, exist_ok=True)
 
 
 def completion_records(ckpt: str | Path, records: Sequence[dict], job: GenerationJob, out: dict) -> list[dict]:
@@ -279,10 +283,14 @@ def generate(ckpt: str | Path, prompts: Sequence[str | dict[str, Any]], config: 
 
 def generate_file(ckpt: str | Path, input_path: str | Path, output_path: str | Path,
                   config: GenerationConfig | None = None, **kwargs: Any) -> dict[str, Any]:
-    """JSONL (or one prompt per line) in, JSONL out: `generate` on every record of `input_path`."""
-    result = generate(ckpt, read_prompts(input_path), config, **kwargs)
+    """JSONL (or one prompt per line) in, JSONL out: `generate` on every record of `input_path`.
+
+    The output path is checked before anything is generated: a run's completions are never lost to an
+    output that turns out to be a directory or read-only.
+    """
     output_path = Path(output_path)
-    output_path.parent.mkdir(parents=True, exist_ok=True)
+    check_output_file(output_path)
+    result = generate(ckpt, read_prompts(input_path), config, **kwargs)
     output_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result["records"]),
                            encoding="utf-8")
     return result
@@ -347,7 +355,7 @@ def hf_complete(hf_dir: str | Path, prompts: Sequence[str], max_new_tokens: int 
 # --------------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: exit 0 on success, 2 on bad input (nothing started), 1 on a worker failure."""
-    from pai_cookbook.launch import WorkerError
+    from pai_cookbook.core.launch import WorkerError
 
     p = argparse.ArgumentParser(prog="python -m pai_cookbook.generate", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", help="cookbook checkpoint folder, or a training save_dir (latest iteration)")

@@ -18,13 +18,15 @@ import argparse
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from pai_cookbook import checkpoint
-from pai_cookbook.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from pai_cookbook.core import checkpoint, layout, nodes
+from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from pai_cookbook.core.worker import Job
 
 AUX_LOSS_NAMES = {"load_balancing_loss": "aux_loss", "seq_load_balancing_loss": "seq_aux_loss",
                   "global_load_balancing_loss": "global_aux_loss", "z_loss": "z_loss"}
@@ -174,6 +176,24 @@ def upcycled_config(dense: ModelConfig, num_experts: int, topk: int = 2, **moe_f
                                moe_router_pre_softmax=False, moe_router_score_function="softmax", **moe_fields)
 
 
+@dataclass(kw_only=True)
+class UpcycleJob(Job):
+    """The upcycling worker's job: a dense checkpoint, the MoE model to build from it, and the layout."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.upcycle"
+
+    src: str
+    """Dense cookbook checkpoint."""
+    out: str
+    """MoE checkpoint to write (atomically, by `checkpoint.save`)."""
+    model: ModelConfig
+    """The MoE model (`upcycled_config` of the dense one)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seed: int = 1234
+    """Seeds the router weights (the only new weights)."""
+
+
+@nodes.node0_only
 def upcycle(dense_ckpt: str | Path, out: str | Path, *, num_experts: int, topk: int = 2,
             parallel: ParallelConfig | None = None, seed: int = 1234, overwrite: bool = False,
             run_dir: str | Path | None = None, **moe_fields: Any) -> dict[str, Any]:
@@ -189,8 +209,7 @@ def upcycle(dense_ckpt: str | Path, out: str | Path, *, num_experts: int, topk: 
     Returns:
         The new ModelConfig (as a dict) and the checkpoint path.
     """
-    from pai_cookbook import launch
-    from pai_cookbook.convert import check_layout, layout_world_size
+    from pai_cookbook.core import launch
 
     dense, _ = checkpoint.read_config(dense_ckpt)
     moe = upcycled_config(dense, num_experts, topk, **moe_fields)
@@ -198,56 +217,17 @@ def upcycle(dense_ckpt: str | Path, out: str | Path, *, num_experts: int, topk: 
     if parallel.expert_tp != parallel.tensor_model_parallel_size:
         raise ConfigError(f"upcycling copies the dense MLP's TP shards into experts, so expert-TP must equal TP "
                           f"({parallel.tensor_model_parallel_size}), got {parallel.expert_tp}.")
-    check_layout(moe, parallel)
+    layout.check(moe, parallel, purpose="load")
     checkpoint.check_writable(out, overwrite)
-    run_dir = Path(run_dir or Path(out).with_name(Path(out).name + ".logs"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    spec = run_dir / "upcycle.json"
-    spec.write_text(json.dumps({"model": dataclasses.asdict(moe), "parallel": dataclasses.asdict(parallel),
-                                "seed": seed}))
-    launch.launch("pai_cookbook.moe", nproc_per_node=layout_world_size(parallel),
-                  args=["worker", str(Path(dense_ckpt).resolve()), str(Path(out).resolve()), str(spec.resolve())],
-                  run_dir=run_dir, echo=False, show_progress=False)
+    job = UpcycleJob(src=str(Path(dense_ckpt).resolve()), out=str(Path(out).resolve()), model=moe, parallel=parallel,
+                     seed=seed)
+    launch.launch(job, nproc_per_node=layout.world_size(parallel),
+                  run_dir=run_dir or Path(out).with_name(Path(out).name + ".logs"), echo=False, show_progress=False)
     return {"model": dataclasses.asdict(moe), "checkpoint": str(out)}
-
-
-def _upcycle_worker(_marker: str, src: str, out: str, spec_path: str) -> dict[str, Any]:
-    from megatron.core.transformer.moe.upcycling_utils import upcycle_state_dict
-
-    from pai_cookbook import runtime
-    from pai_cookbook.config import PrecisionConfig
-    from pai_cookbook.model import build_model
-
-    spec = json.loads(Path(spec_path).read_text())
-    moe, parallel = ModelConfig(**spec["model"]), ParallelConfig(**spec["parallel"])
-    device = runtime.init_distributed(parallel, spec["seed"])
-    try:
-        dense, dtype = checkpoint.read_config(src)
-        precision = PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype])
-        dense_chunks = build_model(dense, parallel, precision, device, spec["seed"])
-        checkpoint.load(dense_chunks, src)
-        moe_chunks = build_model(moe, parallel, precision, device, spec["seed"])
-        for dense_chunk, moe_chunk in zip(dense_chunks, moe_chunks):
-            state = upcycle_state_dict([moe_chunk], [dense_chunk])["model"]
-            # Megatron-Core expands every layer's dense MLP; layers that stay dense (moe_layer_freq > 1)
-            # keep theirs under the original names, so only the MoE model's own keys are loaded.
-            wanted = moe_chunk.state_dict().keys()
-            moe_chunk.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=True)
-        checkpoint.save(moe_chunks, out, moe, dtype, assets=Path(src) / checkpoint.HF_ASSETS,
-                        upcycled_from=str(src))
-        return {"checkpoint": out}
-    finally:
-        runtime.destroy_distributed()
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: `python -m pai_cookbook.moe upcycle DENSE_CKPT OUT --experts N [--topk K] [--aux-loss C]`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["worker"]:
-        from pai_cookbook import worker
-
-        worker.entry(_upcycle_worker)()
-        return 0
     parser = argparse.ArgumentParser(prog="python -m pai_cookbook.moe", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["upcycle"])
     parser.add_argument("dense_ckpt", type=Path)

@@ -44,7 +44,7 @@ def hf_batched(hf_dir: Path, prompt_ids: list[list[int]], new_tokens: int) -> fl
 
 def main() -> None:
     from pai_cookbook import convert, generate
-    from pai_cookbook.config import ParallelConfig
+    from pai_cookbook.core.config import ParallelConfig
     from pai_cookbook.generate import GenerationConfig
     from pai_cookbook.tiny_models import make_tiny_hf_model
 

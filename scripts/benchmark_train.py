@@ -38,7 +38,7 @@ def cookbook(config, steps: int, work: Path) -> float:
 
 
 def raw_megatron(config, steps: int, work: Path) -> float:
-    from pai_cookbook import runtime
+    from pai_cookbook.core import runtime
 
     path = config.save(work / "raw.json")
     env = runtime.detect_launch_env()
@@ -54,7 +54,7 @@ def raw_megatron(config, steps: int, work: Path) -> float:
 def hugging_face(config, steps: int) -> float:
     from transformers import AutoModelForCausalLM
 
-    from pai_cookbook import families
+    from pai_cookbook.core import families
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(families.to_hf(config.model), attn_implementation="sdpa")
@@ -77,7 +77,7 @@ def preprocessing(work: Path) -> tuple[float, float]:
     from transformers import AutoTokenizer
 
     from pai_cookbook import data
-    from pai_cookbook.tiny_models import make_tokenizer
+    from pai_cookbook.core.tokenizer import make_tokenizer
 
     make_tokenizer(256).save_pretrained(work / "tok")
     corpus = data.write_default_corpus(work / "corpus.jsonl")
@@ -90,8 +90,8 @@ def preprocessing(work: Path) -> tuple[float, float]:
 
 
 def main() -> None:
-    from pai_cookbook import families
-    from pai_cookbook.config import DataConfig, OptimizerConfig, RunConfig
+    from pai_cookbook.core import families
+    from pai_cookbook.core.config import DataConfig, OptimizerConfig, RunConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)

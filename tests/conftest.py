@@ -1,14 +1,10 @@
 """Shared helpers: tiny configs and real torchrun runs of tests/workers/scenarios.py."""
 
-import json
-from pathlib import Path
-
 import pytest
 
-from pai_cookbook import families, launch, runtime
-from pai_cookbook.config import DataConfig, RunConfig
-
-SCENARIOS = str(Path(__file__).parent / "workers" / "scenarios.py")
+from pai_cookbook.core import families, launch
+from pai_cookbook.core.config import DataConfig, RunConfig
+from tests.workers.scenarios import Scenario
 
 
 def tiny_run(family: str = "llama", *, model_overrides: dict | None = None, **fields) -> RunConfig:
@@ -42,19 +38,14 @@ def run_scenario(tmp_path):
     counter = iter(range(1000))
 
     def run(config: RunConfig, nproc: int = 1, scenario: str = "train", skip: str = "") -> dict:
-        return launch.launch(SCENARIOS, config, nproc_per_node=nproc, args=[scenario],
+        return launch.launch(Scenario(config=config, scenario=scenario), nproc_per_node=nproc,
                              run_dir=tmp_path / f"run{next(counter)}",
                              env={"PAI_COOKBOOK_COMPAT_SKIP": skip}, echo=False, show_progress=False)
 
     def run_layouts(configs: list[RunConfig], nproc: int) -> list[dict]:
         """Train each config in one launch of `nproc` processes (parallel state rebuilt per config)."""
-        folder = tmp_path / f"run{next(counter)}"
-        folder.mkdir()
-        (folder / "layouts.json").write_text(json.dumps([json.loads(c.to_json()) for c in configs]))
-        for config in configs:
-            config.validate(nproc, runtime.detect_device())
-        return launch.launch(SCENARIOS, configs[0], nproc_per_node=nproc,
-                             args=["layouts", str(folder / "layouts.json")], run_dir=folder, echo=False,
+        job = Scenario(config=configs[0], scenario="layouts", layouts=configs)
+        return launch.launch(job, nproc_per_node=nproc, run_dir=tmp_path / f"run{next(counter)}", echo=False,
                              show_progress=False)["runs"]
 
     run.layouts = run_layouts

@@ -6,9 +6,9 @@ import re
 import pytest
 import torch
 
-from pai_cookbook import compat
-from pai_cookbook.config import MemoryConfig, ParallelConfig, PrecisionConfig
-from pai_cookbook.launch import WorkerError
+from pai_cookbook.core import compat
+from pai_cookbook.core.config import MemoryConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.core.launch import WorkerError
 from tests.conftest import tiny_run
 
 pytestmark = [pytest.mark.multiproc,
@@ -103,11 +103,11 @@ def test_gloo_p2p_interleaved_pipeline_matches_single_process(run_scenario):
 def test_apply_is_idempotent_and_rejects_unknown_names():
     import subprocess
     import sys
-    code = ("from pai_cookbook import compat; a = compat.apply(); b = compat.apply(); "
+    code = ("from pai_cookbook.core import compat; a = compat.apply(); b = compat.apply(); "
             "assert a is b and len(a) == len(compat.PATCHES), a; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
-    bad = subprocess.run([sys.executable, "-c", "from pai_cookbook import compat; compat.apply(skip=('nope',))"],
+    bad = subprocess.run([sys.executable, "-c", "from pai_cookbook.core import compat; compat.apply(skip=('nope',))"],
                          capture_output=True, text=True)
     assert "unknown compat patch" in bad.stderr
 
@@ -117,9 +117,15 @@ def test_cuda_event_keeps_time_on_cpu():
     # a stand-in that returns a non-number breaks every generation at the end of its batch.
     import subprocess
     import sys
-    code = ("import time, torch; from pai_cookbook import compat; compat.apply(); "
+    code = ("import time, torch; from pai_cookbook.core import compat; compat.apply(); "
             "a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True); "
             "a.record(); time.sleep(0.05); b.record(); b.synchronize(); print(a.elapsed_time(b))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert 50.0 <= float(out.stdout) < 5000.0  # milliseconds, like CUDA's elapsed_time
+
+
+def test_another_megatron_core_version_is_refused_on_cpu():
+    compat.check_version(compat.PROVEN_ON + ".1")  # the proven minor version passes
+    with pytest.raises(RuntimeError, match=r"megatron-core 0.17.0 is installed.*tested for megatron-core 0.16.x"):
+        compat.check_version("0.17.0")

@@ -4,9 +4,16 @@ import dataclasses
 
 import pytest
 
-from pai_cookbook import families, runtime
-from pai_cookbook.config import (ConfigError, DataConfig, MemoryConfig, OptimizerConfig, ParallelConfig,
-                                 PrecisionConfig, RunConfig)
+from pai_cookbook.core import families, runtime
+from pai_cookbook.core.config import (
+    ConfigError,
+    DataConfig,
+    MemoryConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+)
 
 CPU = runtime.DeviceInfo(is_cuda=False, name="CPU", count=0, compute_capability=None, backend="gloo",
                          has_transformer_engine=False, has_flash_attn=False)
@@ -144,7 +151,7 @@ def test_padded_vocab_is_a_multiple_of_128_times_tp():
 
 
 def test_token_budget_becomes_steps():
-    from pai_cookbook.config import with_token_budget
+    from pai_cookbook.core.config import with_token_budget
     base = run(data=DataConfig(seq_length=64, micro_batch_size=2, global_batch_size=8))  # 512 tokens per step
     config = with_token_budget(base, train_tokens=100_000, warmup_tokens=10_240)
     assert config.train_iters == 196 and config.optimizer.lr_warmup_iters == 20  # ceil(100000 / 512), 10240 / 512

@@ -7,8 +7,9 @@ import shutil
 import pytest
 import torch
 
-from pai_cookbook import checkpoint, convert, families, parity
-from pai_cookbook.config import ConfigError, ParallelConfig
+from pai_cookbook import convert, parity
+from pai_cookbook.core import checkpoint, families, layout
+from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.tiny_models import make_tiny_hf_model
 
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
@@ -66,7 +67,7 @@ def test_checkpoint_saved_at_one_layout_loads_at_another(family, saved_at, loade
     resharded = tmp_path / "resharded"
     convert.reshard(ckpt, resharded, as_parallel(saved_at))
     writers = {p.name.split("_")[2] for p in resharded.glob("__*_*.distcp")}  # __<rank>_<file>.distcp
-    assert len(writers) == convert.layout_world_size(as_parallel(saved_at))  # every rank saved its shards
+    assert len(writers) == layout.world_size(as_parallel(saved_at))  # every rank saved its shards
     assert_parity(parity.check(hf, resharded, as_parallel(loaded_at), run_dir=tmp_path / "parity"))
     export = tmp_path / "export"
     convert.megatron_to_hf(resharded, export)
@@ -139,10 +140,13 @@ def test_occupied_output_is_refused_and_a_killed_conversion_leaves_nothing_loada
     with pytest.raises(FileExistsError, match=r"already holds files.*overwrite=True"):
         convert.hf_to_megatron(tiny_llama, out)
     shutil.rmtree(out)
-    # Killed before it could finish (a worker needs ~5 s just to import Megatron-Core here).
+    # Killed before it could finish (a worker needs ~5 s just to import Megatron-Core here): nothing is
+    # left, not even the .partial folder (on a full disk it would keep the disk full).
     with pytest.raises(TimeoutError):
         convert.hf_to_megatron(tiny_llama, out, timeout_s=2)
-    assert not out.exists() and checkpoint.partial_dir(out).exists()
+    assert not out.exists() and not checkpoint.partial_dir(out).exists()
+    # an unfinished write that was never cleaned up (the machine lost power) is still refused by name
+    checkpoint.partial_dir(out).mkdir()
     with pytest.raises(FileNotFoundError, match=r"unfinished write"):
         checkpoint.read_config(checkpoint.partial_dir(out))
 

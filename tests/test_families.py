@@ -5,8 +5,8 @@ import json
 import pytest
 import transformers
 
-from pai_cookbook import families
-from pai_cookbook.config import ConfigError
+from pai_cookbook.core import families
+from pai_cookbook.core.config import ConfigError
 from tests.conftest import tiny_run
 
 # Fields of the HF config that decide the function the model computes.

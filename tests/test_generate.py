@@ -13,8 +13,9 @@ import shutil
 
 import pytest
 
-from pai_cookbook import checkpoint, families, generate, launch
-from pai_cookbook.config import ConfigError, ParallelConfig
+from pai_cookbook import generate
+from pai_cookbook.core import checkpoint, families, launch
+from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.generate import GenerationConfig
 
 NEW_TOKENS = 32
@@ -124,7 +125,7 @@ def second_launch(checkpoints, first_launch, tmp_path_factory):
     """Sampling again (a new launch); an extra end-of-sequence id and a stop string seen in the greedy output."""
     llama = checkpoints["llama"][1]
     greedy = first_launch["llama tp2"][1]["tokens"][0]
-    tokenizer = generate.load_tokenizer(llama)
+    tokenizer = checkpoint.load_tokenizer(llama)
     text = tokenizer.decode(greedy, skip_special_tokens=True)
     stop = text[len(text) // 2:len(text) // 2 + 3]
     eos_config = dataclasses.replace(GREEDY, ignore_eos=False, eos_token_ids=(greedy[5],))
@@ -152,7 +153,7 @@ def test_end_of_sequence_and_stop_strings_end_a_completion(second_launch):
     results, greedy, text, stop = second_launch
     eos = results["eos"][1]
     # The first end token (the added id, or the tokenizer's own) ends it and is not returned.
-    ends = {greedy[5], generate.load_tokenizer(results["eos"][0].ckpt).eos_token_id}
+    ends = {greedy[5], checkpoint.load_tokenizer(results["eos"][0].ckpt).eos_token_id}
     first = next(i for i, token in enumerate(greedy) if token in ends)
     assert eos["tokens"] == [greedy[:first]] and eos["finish"] == ["eos"]
     job, result = results["stop"]
@@ -237,7 +238,7 @@ def test_training_save_dir_resolves_to_latest_iteration(checkpoints, tmp_path):
 
 
 def test_chat_template_formats_prompts_and_messages(checkpoints):
-    tokenizer = generate.load_tokenizer(checkpoints["llama"][1])
+    tokenizer = checkpoint.load_tokenizer(checkpoints["llama"][1])
     plain = generate.encode(tokenizer, {"prompt": "hi"}, "auto")
     assert plain == tokenizer("hi").input_ids
     with pytest.raises(ValueError, match="has no chat template"):
@@ -249,3 +250,16 @@ def test_chat_template_formats_prompts_and_messages(checkpoints):
     assert generate.encode(tokenizer, {"messages": [{"role": "user", "content": "hi"}]}, "auto") == expected
     assert generate.encode(tokenizer, {"prompt": "hi"}, "never") == plain
     assert json.dumps(expected)  # plain ints, ready for the workers' JSON
+
+
+def test_an_unwritable_output_is_refused_before_generating(tmp_path, checkpoints, capsys):
+    ckpt = checkpoints["llama"][1]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\n")
+    for output, why in ((tmp_path, "is a directory"), (prompts / "o.jsonl", "is a file, not a folder")):
+        code = generate.main([str(ckpt), "--input", str(prompts), "--output", str(output), "--run-dir",
+                              str(tmp_path / "run")])
+        assert code == 2 and why in capsys.readouterr().err
+        assert not (tmp_path / "run" / "logs").exists()  # no worker started
+    with pytest.raises(ValueError, match="is a directory"):
+        generate.generate_file(ckpt, prompts, tmp_path)

@@ -10,15 +10,18 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pai_cookbook import launch, runtime
-from pai_cookbook.config import ConfigError, ParallelConfig
+from pai_cookbook.core import launch, runtime
+from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
 from tests.conftest import tiny_run
+from tests.workers.launch_probe import ProbeJob
 
-PROBE = str(Path(__file__).parent / "workers" / "launch_probe.py")
+
+def probe(mode: str, folder: Path) -> ProbeJob:
+    return ProbeJob(mode=mode, run_dir=str(folder))
 
 
 def test_returns_rank0_result_and_progress_events(tmp_path, capsys):
-    result = launch.launch(PROBE, nproc_per_node=2, args=["ok", str(tmp_path)], run_dir=tmp_path)
+    result = launch.launch(probe("ok", tmp_path), nproc_per_node=2, run_dir=tmp_path)
     assert result["world_size"] == 2 and result["mode"] == "ok"
     steps = [e["step"] for e in result["events"] if e["event"] == "progress"]
     assert steps == [1, 2, 3]
@@ -29,7 +32,7 @@ def test_returns_rank0_result_and_progress_events(tmp_path, capsys):
 
 def test_crash_on_rank1_raises_with_rank_and_log_tail(tmp_path):
     with pytest.raises(launch.WorkerError) as err:
-        launch.launch(PROBE, nproc_per_node=2, args=["crash", str(tmp_path)], run_dir=tmp_path, echo=False)
+        launch.launch(probe("crash", tmp_path), nproc_per_node=2, run_dir=tmp_path, echo=False)
     assert err.value.rank == 1 and err.value.exitcode == 1
     assert "deliberate failure on rank 1" in err.value.log_tail
     assert "rank 1 is about to fail" in err.value.log_tail
@@ -56,8 +59,8 @@ def _alive(pid: int) -> bool:
 
 def test_interrupt_terminates_every_worker(tmp_path):
     # A notebook's stop button raises KeyboardInterrupt in the kernel: here, SIGINT to a caller process.
-    code = (f"from pai_cookbook import launch; "
-            f"launch.launch({PROBE!r}, nproc_per_node=2, args=['hang', {str(tmp_path)!r}], run_dir={str(tmp_path)!r})")
+    code = (f"from pai_cookbook.core import launch; from tests.workers.launch_probe import ProbeJob; "
+            f"launch.launch(ProbeJob(mode='hang', run_dir={str(tmp_path)!r}), nproc_per_node=2, run_dir={str(tmp_path)!r})")
     caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids = _wait_for_pids(tmp_path, 2)
     torchrun = [p for p in psutil.Process(caller.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
@@ -72,7 +75,7 @@ def test_interrupt_terminates_every_worker(tmp_path):
 
 def test_timeout_terminates_every_worker(tmp_path):
     with pytest.raises(TimeoutError, match="timeout_s=15"):
-        launch.launch(PROBE, nproc_per_node=2, args=["hang", str(tmp_path)], run_dir=tmp_path, timeout_s=15)
+        launch.launch(probe("hang", tmp_path), nproc_per_node=2, run_dir=tmp_path, timeout_s=15)
     pids = [int(f.read_text()) for f in tmp_path.glob("pid.*")]
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
 
@@ -80,7 +83,7 @@ def test_timeout_terminates_every_worker(tmp_path):
 def test_bad_layout_is_rejected_before_any_process_starts(tmp_path):
     config = tiny_run(parallel=ParallelConfig(tensor_model_parallel_size=2))
     with pytest.raises(ConfigError, match="world size 3 is not divisible by TP x PP"):
-        launch.launch("pai_cookbook.train", config, nproc_per_node=3, run_dir=tmp_path)
+        launch.launch(config, nproc_per_node=3, run_dir=tmp_path)
     assert not (tmp_path / "logs").exists()
 
 
@@ -96,11 +99,52 @@ def test_argv_is_a_list_with_scheduler_rendezvous(tmp_path):
 def test_cli_exit_codes(tmp_path):
     bad = tiny_run(parallel=ParallelConfig(tensor_model_parallel_size=2))
     bad.save(tmp_path / "bad.json")
-    out = subprocess.run([sys.executable, "-m", "pai_cookbook.launch", "pai_cookbook.train", "--config",
+    out = subprocess.run([sys.executable, "-m", "pai_cookbook.train", "--config",
                           str(tmp_path / "bad.json"), "--nproc-per-node", "3", "--run-dir", str(tmp_path / "r")],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "bad configuration" in out.stderr
-    ok = subprocess.run([sys.executable, "-m", "pai_cookbook.launch", PROBE, "--nproc-per-node", "1",
-                         "--run-dir", str(tmp_path / "ok"), "--", "ok", str(tmp_path)], capture_output=True, text=True)
+    tiny_run().save(tmp_path / "ok.json")
+    ok = subprocess.run([sys.executable, "-m", "pai_cookbook.train", "--config", str(tmp_path / "ok.json"),
+                         "--run-dir", str(tmp_path / "ok")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout[ok.stdout.index("{"):])["mode"] == "ok"
+    assert len(json.loads(ok.stdout[ok.stdout.index("{"):])["losses"]) == 2
+
+
+def test_cli_runs_the_checks_train_run_does(tmp_path):
+    # A missing dataset or load_dir is bad input (exit 2, before any worker), not a worker failure.
+    config = tiny_run(data=DataConfig(source="indexed", paths=[str(tmp_path / "nowhere")], seq_length=32,
+                                      micro_batch_size=2, global_batch_size=8))
+    config.save(tmp_path / "run.json")
+    out = subprocess.run([sys.executable, "-m", "pai_cookbook.train", "--config", str(tmp_path / "run.json"),
+                          "--run-dir", str(tmp_path / "r")], capture_output=True, text=True)
+    assert out.returncode == 2 and "dataset" in out.stderr and "data.prepare" in out.stderr, out.stderr
+    assert not (tmp_path / "r" / "logs").exists()
+    config = tiny_run(checkpoint=CheckpointConfig(load_dir=str(tmp_path / "no_ckpt")))
+    config.save(tmp_path / "run.json")
+    out = subprocess.run([sys.executable, "-m", "pai_cookbook.train", "--config", str(tmp_path / "run.json"),
+                          "--run-dir", str(tmp_path / "r")], capture_output=True, text=True)
+    assert out.returncode == 2 and "no_ckpt" in out.stderr, out.stderr
+
+
+def test_sigterm_to_the_launcher_ends_every_worker(tmp_path):
+    # A scheduler's cancel, `kill` and `timeout` send SIGTERM: the launcher must take its workers along.
+    code = (f"from pai_cookbook.core import launch; from tests.workers.launch_probe import ProbeJob; "
+            f"launch.launch(ProbeJob(mode='hang', run_dir={str(tmp_path)!r}), nproc_per_node=2, run_dir={str(tmp_path)!r})")
+    caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = _wait_for_pids(tmp_path, 2)
+    torchrun = [p for p in psutil.Process(caller.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
+    assert torchrun and all(_alive(p) for p in pids)
+    caller.send_signal(signal.SIGTERM)
+    caller.communicate(timeout=60)
+    assert caller.returncode == -signal.SIGTERM  # the signal still ends the process, as it would have
+    time.sleep(0.5)
+    left = [p for p in pids + [torchrun[0].pid] if _alive(p)]
+    assert not left, f"processes left behind: {left}"
+
+
+def test_a_full_disk_shows_the_os_error_and_the_failing_rank(tmp_path):
+    # Rank 1's error record cannot be written (the disk is full); the launcher must not trip over it.
+    with pytest.raises(launch.WorkerError) as err:
+        launch.launch(probe("enospc", tmp_path), nproc_per_node=2, run_dir=tmp_path, echo=False)
+    assert err.value.rank == 1
+    assert "No space left on device" in str(err.value) and "iter_0000010.partial" in str(err.value)

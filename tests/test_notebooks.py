@@ -24,6 +24,9 @@ def check_convert(m: dict) -> None:
 
 
 def check_pretraining(m: dict) -> None:
+    # The test runs the notebook twice into one OUTPUT_DIR (TRAIN_ITERS 100, then the default 200): the
+    # re-run must continue from the first run's last checkpoint, not start over or delete it.
+    assert m["resumed_from_step"] == RESUME_FIRST["TRAIN_ITERS"] and m["steps"] == 200
     # 200 steps on the default corpus (349k tokens, under one epoch); measured 5.54 -> 2.81 train and
     # 4.27 -> 1.65 validation. A drop under 1.0 (train) or a rising validation loss means it broke.
     assert m["first_loss"] - m["final_loss"] > 1.0
@@ -57,6 +60,10 @@ def check_inference(m: dict) -> None:
     assert m["megatron_tokens_per_s"] > 0 and m["hf_tokens_per_s"] > 0
 
 
+# Notebooks executed twice into one OUTPUT_DIR, first with these parameters, then with their defaults.
+RESUME_FIRST = {"TRAIN_ITERS": 100}
+RUN_TWICE = {"03_continued_pretraining": RESUME_FIRST}
+
 CHECKS = {
     "00_quickstart": check_quickstart,
     "01_convert_checkpoint": check_convert,
@@ -73,6 +80,8 @@ def test_every_notebook_has_checks():
 @pytest.mark.notebook
 @pytest.mark.parametrize("notebook", notebooks(), ids=lambda p: p.stem)
 def test_notebook_executes_and_meets_its_claims(notebook, tmp_path):
+    if notebook.stem in RUN_TWICE:
+        execute_notebook(notebook, tmp_path, RUN_TWICE[notebook.stem])
     output_dir = execute_notebook(notebook, tmp_path)
     CHECKS[notebook.stem](load_metrics(output_dir))
     assert list(output_dir.glob("*.png")), "each notebook saves its figures as PNG"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pai_cookbook import runtime
+from pai_cookbook.core import runtime
 
 
 def test_single_machine_gets_a_free_local_port():

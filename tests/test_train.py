@@ -9,8 +9,10 @@ import time
 import psutil
 import pytest
 
-from pai_cookbook import checkpoint, families, train
-from pai_cookbook.config import CheckpointConfig, ConfigError, DataConfig, OptimizerConfig, ParallelConfig
+from pai_cookbook import train
+from pai_cookbook.core import checkpoint, families
+from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, OptimizerConfig, ParallelConfig
+from pai_cookbook.workers import train as train_worker
 from tests.conftest import tiny_run
 
 
@@ -67,7 +69,7 @@ def test_killed_run_resumes_exactly(parallel, tmp_path):
     reference = train.run(config(tmp_path / "ref"), nproc_per_node=nproc, run_dir=tmp_path / "r0",
                           show_progress=False, echo=False)["losses"]
     config(tmp_path / "ckpt").save(tmp_path / "config.json")
-    code = (f"from pai_cookbook import train; from pai_cookbook.config import RunConfig; "
+    code = (f"from pai_cookbook import train; from pai_cookbook.core.config import RunConfig; "
             f"train.run(RunConfig.load({str(tmp_path / 'config.json')!r}), nproc_per_node={nproc}, "
             f"run_dir={str(tmp_path / 'r1')!r}, show_progress=False, echo=False)")
     victim = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -109,8 +111,8 @@ def test_starting_from_a_checkpoint_of_another_model_is_refused(tmp_path):
 
 def test_synthetic_batches_split_one_global_batch_over_dp_ranks():
     config = tiny_run(data=DataConfig(seq_length=8, micro_batch_size=1, global_batch_size=4))
-    whole = train.synthetic_batches(config, step=3, dp_rank=0, dp_size=1)
-    halves = [mb for rank in range(2) for mb in train.synthetic_batches(config, step=3, dp_rank=rank, dp_size=2)]
+    whole = train_worker.synthetic_batches(config, step=3, dp_rank=0, dp_size=1)
+    halves = [mb for rank in range(2) for mb in train_worker.synthetic_batches(config, step=3, dp_rank=rank, dp_size=2)]
     assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(whole, halves))
     tokens, labels = whole[0]["tokens"][0], whole[0]["labels"][0]
     assert (labels[:-1] == tokens[1:]).all()
@@ -124,7 +126,7 @@ def test_training_flops_are_six_per_weight_plus_attention(family):
     # plus 12 x layers x seq x (heads x head_dim) for attention scores and values.
     import transformers
 
-    from pai_cookbook.model import training_flops_per_token
+    from pai_cookbook.core.model import training_flops_per_token
     model, seq = families.tiny(family), 32
     hf = transformers.AutoModelForCausalLM.from_config(families.to_hf(model))
     # tied embeddings count once in num_parameters but are used twice: lookup (free) and lm head
@@ -147,7 +149,7 @@ def test_step_log_is_written_per_step(tmp_path):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     from pai_cookbook import data
-    from pai_cookbook.tiny_models import make_tokenizer
+    from pai_cookbook.core.tokenizer import make_tokenizer
 
     folder = tmp_path_factory.mktemp("corpus")
     make_tokenizer(256).save_pretrained(folder / "tokenizer")

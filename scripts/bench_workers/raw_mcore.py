@@ -6,13 +6,12 @@ import json
 import statistics
 import sys
 import time
-from functools import partial
 
 import torch
 
-from pai_cookbook import runtime
-from pai_cookbook.config import RunConfig
-from pai_cookbook.model import build_model
+from pai_cookbook.core import runtime
+from pai_cookbook.core.config import RunConfig
+from pai_cookbook.core.model import build_model
 
 
 def main(config_path: str, steps: str) -> None:

@@ -1,22 +1,36 @@
 """Workers for tests/test_launch.py (no Megatron: they test the launcher alone).
 
-launch_probe.py MODE RUN_DIR
+Job: ProbeJob(mode, run_dir)
   ok     every rank joins a gloo group; rank 0 reports 3 progress steps and returns a result
   crash  rank 1 raises; rank 0 waits in a barrier it never leaves
   hang   every rank writes its pid to RUN_DIR/pid.RANK and sleeps until killed
+  enospc rank 1 hits a full disk: its error record cannot be written (it is /dev/full) and it raises
+         the OS error, as a checkpoint write on a full disk does
 """
 
+import errno
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch.distributed as dist
 
-from pai_cookbook import worker
+from pai_cookbook.core import worker
 
 
-@worker.entry
-def main(mode: str, run_dir: str) -> dict | None:
+@dataclass(kw_only=True)
+class ProbeJob(worker.Job):
+    WORKER: ClassVar[str] = __file__
+
+    mode: str
+    run_dir: str
+
+
+@worker.entry(ProbeJob)
+def main(job: ProbeJob) -> dict | None:
+    mode, run_dir = job.mode, job.run_dir
     rank = worker.rank()
     if mode == "hang":
         Path(run_dir, f"pid.{rank}").write_text(str(os.getpid()))
@@ -24,6 +38,11 @@ def main(mode: str, run_dir: str) -> dict | None:
             time.sleep(1)
     dist.init_process_group("gloo")
     try:
+        if mode == "enospc" and rank == 1:
+            records = Path(os.environ[worker.RUN_DIR_ENV]) / worker.ERROR_DIR
+            records.mkdir(exist_ok=True)
+            (records / "rank1.json").symlink_to("/dev/full")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{run_dir}/iter_0000010.partial/__1_0.distcp")
         if mode == "crash":
             if rank == 1:
                 print("rank 1 is about to fail", flush=True)

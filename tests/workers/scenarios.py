@@ -1,24 +1,24 @@
 """Small real runs for the tests, executed under torchrun by `pai_cookbook.launch`.
 
-Usage (by the launcher): scenarios.py CONFIG_JSON SCENARIO
+Job: Scenario(config, scenario, layouts)
   train        train config.train_iters steps with the cookbook's training code, return its history
   rng          draw from the model-parallel RNG tracker and the default generator, twice, on every rank
   param_counts build the model of config.model and count its parameters over all ranks
-  layouts      train once per config in LAYOUTS_JSON (a list of RunConfigs), rebuilding Megatron-Core's
-               parallel state for each inside one process group; returns each history
+  layouts      train once per config in `layouts`, rebuilding Megatron-Core's parallel state for each
+               inside one process group; returns each history
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
 patch out, which is how tests/test_compat.py shows each patch is needed.
 """
 
-import json
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from pai_cookbook import runtime, worker
-from pai_cookbook.config import RunConfig
-from pai_cookbook.model import build_model
-from pai_cookbook.train import train
+from pai_cookbook.core import runtime, worker
+from pai_cookbook.core.config import RunConfig
+from pai_cookbook.core.model import build_model
+from pai_cookbook.workers.train import train
 
 
 def _gather(t: torch.Tensor) -> list[list[float]]:
@@ -63,24 +63,31 @@ def layouts(configs: list[RunConfig]) -> dict:
     return {"runs": [train(config, device) for config, device in zip(configs, devices)]}
 
 
-@worker.entry
-def main(config_path: str, scenario: str, layouts_path: str = "") -> dict:
-    if scenario == "layouts":
-        configs = [RunConfig.from_json(json.dumps(c)) for c in json.loads(Path(layouts_path).read_text())]
-        try:
-            return layouts(configs)
-        finally:
-            runtime.destroy_distributed()
-    config = RunConfig.load(config_path)
-    device = runtime.init_distributed(config.parallel, config.seed)
-    try:
-        if scenario == "rng":
+@dataclass(kw_only=True)
+class Scenario(worker.Job):
+    WORKER: ClassVar[str] = __file__
+
+    config: RunConfig
+    scenario: str = "train"
+    layouts: list[RunConfig] = field(default_factory=list)
+
+    def check(self, world_size: int, device) -> None:
+        for config in [self.config] + self.layouts:
+            config.validate(world_size, device)
+
+
+@worker.entry(Scenario)
+def main(job: Scenario) -> dict:
+    config = job.config
+    if job.scenario == "layouts":
+        with worker.session():
+            return layouts(job.layouts)
+    with worker.session(config.parallel, config.seed) as device:
+        if job.scenario == "rng":
             return rng(config)
-        if scenario == "param_counts":
+        if job.scenario == "param_counts":
             return param_counts(config, device)
         return train(config, device)
-    finally:
-        runtime.destroy_distributed()
 
 
 if __name__ == "__main__":

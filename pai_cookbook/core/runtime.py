@@ -19,8 +19,9 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -98,6 +99,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_launch_env() -> LaunchEnv:
+    """A rendezvous on this machine alone, whatever the scheduler set (jobs of a fixed small world)."""
+    return LaunchEnv(nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=free_port(), multi_node=False)
+
+
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the scheduler's rendezvous variables, or make a single-machine rendezvous.
 
@@ -109,8 +115,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """
     env = os.environ if environ is None else environ
     if "MASTER_ADDR" not in env or "LOCAL_RANK" in env:
-        return LaunchEnv(nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=free_port(),
-                         multi_node=False)
+        return local_launch_env()
     missing = [name for name in SCHEDULER_VARS[2:] if name not in env]
     if missing:
         raise ValueError(f"MASTER_ADDR is set ({env['MASTER_ADDR']}) but {missing} are not: a multi-node job "
@@ -132,8 +137,10 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 def init_distributed(parallel: Any, seed: int) -> DeviceInfo:
     """Join the torchrun process group and build Megatron-Core's parallel state (inside a worker).
 
+    Workers call it through `worker.session`, which also tears it down.
+
     Args:
-        parallel: a `config.ParallelConfig`.
+        parallel: a `config.ParallelConfig`; None joins the process group only (several layouts follow).
         seed: base seed; Megatron-Core derives distinct tensor-parallel streams from it.
     Returns:
         The device this rank runs on.
@@ -143,13 +150,15 @@ def init_distributed(parallel: Any, seed: int) -> DeviceInfo:
 
     device = detect_device()
     if not device.is_cuda:
-        from pai_cookbook import compat
+        from pai_cookbook.core import compat
         compat.apply()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.is_cuda:
         torch.cuda.set_device(local_rank)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend=device.backend, timeout=DIST_TIMEOUT)
+    if parallel is None:
+        return device
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pai_cookbook.config import ModelConfig
+from pai_cookbook.core.config import ModelConfig
 
 
 @dataclass(frozen=True)

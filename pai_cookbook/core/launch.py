@@ -1,21 +1,22 @@
-"""Run a worker module under torchrun from a notebook cell, a script or a cluster job.
+"""Run a worker's job under torchrun from a notebook cell, a script or a cluster job.
 
-`launch("pai_cookbook.train", config, nproc_per_node=2)`:
-- validates the config against the world size and the device before any process starts;
-- builds a torchrun argv list (never a shell string): a free local port on one machine, the scheduler's
-  MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK on a multi-node job (`runtime.detect_launch_env`);
+`launch(config, nproc_per_node=2)` (any `worker.Job`: a RunConfig, a ConvertJob, ...):
+- checks the job against the world size and the device (`job.check`) before any process starts;
+- writes it to run_dir/job.json and runs `python -m job.WORKER job.json` under torchrun, built as an
+  argv list (never a shell string): a free local port on one machine, the scheduler's
+  MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK on a multi-node job (`runtime.detect_launch_env`) for jobs
+  that span nodes (training); a job of a fixed small world (conversion, parity, generation) runs on
+  node 0 alone and the other nodes get its result (`core.nodes`);
 - streams rank 0's output live (its progress events drive a tqdm bar, which renders as a widget in
   Jupyter and as text under papermill), keeps every rank's stdout/stderr in files under the run folder;
 - returns rank 0's result dict; on a non-zero exit raises `WorkerError` with the failing rank and the
-  tail of its log; on KeyboardInterrupt (the notebook's stop button) or a timeout terminates torchrun
-  and every worker below it, so no process is left behind.
-
-CLI for batch jobs: `python -m pai_cookbook.launch MODULE --config run.json --nproc-per-node 8 [-- ARGS]`.
+  tail of its log; on KeyboardInterrupt (the notebook's stop button), SIGTERM or SIGHUP (a scheduler's
+  cancel, `kill`, `timeout`, a closed terminal) or a timeout it terminates torchrun and every worker
+  below it, so no process is left behind, then lets the signal end the process as it would have.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -24,13 +25,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import psutil
 
-from pai_cookbook import runtime, worker
-from pai_cookbook.config import RunConfig
+from pai_cookbook.core import nodes, runtime, worker
 
 LOG_TAIL_LINES = 40
 # Warnings every CPU worker would print at import, each saying what the environment report already
@@ -118,13 +119,21 @@ def _first_failure(run_dir: Path, torchrun_output: str) -> tuple[int | None, int
     for failure in failures:
         if failure[2] < 0 and failure[2] != -signal.SIGTERM:
             return failure
-    records = [json.loads(p.read_text()) for p in (run_dir / worker.ERROR_DIR).glob("rank*.json")]
+    records = [r for r in map(_read_record, (run_dir / worker.ERROR_DIR).glob("rank*.json")) if r]
     if records:
         primary = [r for r in records if not SECONDARY_ERRORS.search(r["error"])] or records
         first = min(primary, key=lambda r: r["time"])
         code = next((f[2] for f in failures if f[0] == first["rank"]), 1)
         return first["rank"], first["local_rank"], code
     return failures[-1] if failures else (None, None, None)  # torchrun lists its root cause last
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A rank's error record; None for one that could not be written whole (a full disk)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _rank_log_tail(log_dir: Path, local_rank: int | None, lines: int = LOG_TAIL_LINES) -> str:
@@ -167,19 +176,49 @@ def _stream(proc: subprocess.Popen, on_line: Callable[[str], None]) -> None:
         on_line(_RANK_PREFIX.sub("", raw.rstrip("\n")))
 
 
-def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int = 1,
-           args: Sequence[str] = (), run_dir: str | Path = "runs/latest", timeout_s: float | None = None,
-           show_progress: bool = True, echo: bool = True,
+class _Signals:
+    """While a launch runs: SIGTERM and SIGHUP raise `Terminated` in the launching thread, so the
+    launch's cleanup ends every worker; afterwards the signal is re-sent with the process's own
+    handler restored, so it ends the process as it would have without the launch."""
+
+    HANDLED = (signal.SIGTERM, signal.SIGHUP)
+
+    def __enter__(self):
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for signum in self.HANDLED:
+                self.previous[signum] = signal.signal(signum, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise Terminated(signum)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        if isinstance(exc, Terminated):
+            os.kill(os.getpid(), exc.signum)
+
+
+class Terminated(BaseException):
+    """The launcher received SIGTERM or SIGHUP; its workers have been terminated."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"received {signal.Signals(signum).name}; every worker was terminated")
+
+
+def launch(job: worker.Job, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/latest",
+           timeout_s: float | None = None, show_progress: bool = True, echo: bool = True,
            env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run `python -m module [config.json] *args` under torchrun and return rank 0's result.
+    """Run `job` under torchrun and return rank 0's result.
 
     Args:
-        module: worker module with a `worker.entry` main (e.g. "pai_cookbook.train"), or a .py path.
-        config: validated against the world size and device, then written to run_dir/config.json and
-            passed as the worker's first argument. None for workers that take only `args`.
+        job: the worker's job (`worker.Job`); checked against the world size and device, then written
+            to run_dir/job.json, which the worker module `job.WORKER` reads.
         nproc_per_node: processes on this machine (GPUs per node on a GPU machine).
-        args: further worker arguments.
-        run_dir: folder for config.json, result.json and logs/ (created; reused runs are overwritten).
+        run_dir: folder for job.json, result.json and logs/ (created; reused runs are overwritten).
         timeout_s: terminate all workers and raise TimeoutError after this many seconds.
         show_progress: drive a progress bar from the workers' progress events.
         echo: print rank 0's ordinary output lines.
@@ -188,27 +227,46 @@ def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int 
         The dict rank 0's main returned (empty if it returned None), plus "events": the progress and
         metric events rank 0 reported, in order.
     Raises:
-        ConfigError: the layout does not fit the model, world size or device (nothing was started).
+        ConfigError: the job does not fit the world size or device (nothing was started).
         WorkerError: a worker exited non-zero; names the rank and shows its log tail.
         TimeoutError: timeout_s passed; every worker was terminated.
         KeyboardInterrupt: re-raised after every worker was terminated.
     """
+    kwargs = dict(nproc_per_node=nproc_per_node, run_dir=run_dir, timeout_s=timeout_s, show_progress=show_progress,
+                  echo=echo, env=env)
+    if not job.SPANS_NODES:  # a fixed small world: node 0 runs it, the other nodes get its result
+        return _on_node0(job, **kwargs)
     launch_env = runtime.detect_launch_env()
+    result = _launch(job, launch_env, **kwargs)
+    return _rank0_result(result) if launch_env.multi_node else result
+
+
+@nodes.node0_only
+def _on_node0(job: worker.Job, **kwargs: Any) -> dict[str, Any]:
+    return _launch(job, runtime.local_launch_env(), **kwargs)
+
+
+@nodes.node0_only
+def _rank0_result(result: dict[str, Any]) -> dict[str, Any]:
+    """Global rank 0 runs on node 0: its result is the one every node returns."""
+    return result
+
+
+def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: int, run_dir: str | Path,
+            timeout_s: float | None, show_progress: bool, echo: bool, env: dict[str, str] | None) -> dict[str, Any]:
     device = runtime.detect_device()
     if device.is_cuda and nproc_per_node > device.count:
         raise ValueError(f"nproc_per_node={nproc_per_node} but this node has {device.count} GPU(s); "
                          f"use at most {device.count} processes per node.")
+    job.check(launch_env.world_size(nproc_per_node), device)
     run_dir = Path(run_dir).resolve()
     log_dir = run_dir / "logs"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / worker.RESULT_FILE).unlink(missing_ok=True)
     for stale in (run_dir / worker.ERROR_DIR).glob("rank*.json"):
         stale.unlink()
-    argv_args = list(args)
-    if config is not None:
-        config.validate(launch_env.world_size(nproc_per_node), device)
-        argv_args = [str(config.save(run_dir / "config.json"))] + argv_args
-    argv = torchrun_argv(module, argv_args, nproc_per_node, launch_env, log_dir)
+    job_file = job.save(run_dir / worker.JOB_FILE)
+    argv = torchrun_argv(job.WORKER, [str(job_file)], nproc_per_node, launch_env, log_dir)
 
     child_env = {**os.environ, **(env or {}), worker.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1"}
     child_env.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc_per_node)))
@@ -218,7 +276,7 @@ def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int 
     if device.is_cuda:
         # Megatron-Core orders TP communication before compute kernels with a single CUDA queue.
         child_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    progress = _Progress(desc=module.rsplit(".", 1)[-1], enabled=show_progress)
+    progress = _Progress(desc=job.WORKER.rsplit(".", 1)[-1], enabled=show_progress)
     output: list[str] = []
 
     def on_line(line: str) -> None:
@@ -229,79 +287,31 @@ def launch(module: str, config: RunConfig | None = None, *, nproc_per_node: int 
         if echo:
             print(line, flush=True)
 
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
-                            start_new_session=True)  # own process group: a notebook interrupt reaches us only
-    reader = threading.Thread(target=_stream, args=(proc, on_line), daemon=True)
-    reader.start()
-    started = time.monotonic()
-    try:
-        while proc.poll() is None:
-            if timeout_s is not None and time.monotonic() - started > timeout_s:
-                _terminate(proc)
-                raise TimeoutError(f"{module} ran past timeout_s={timeout_s}; all workers were terminated. "
-                                   f"Logs in {log_dir}")
-            time.sleep(0.1)
-    except BaseException:
-        _terminate(proc)
-        raise
-    finally:
-        reader.join(timeout=TERMINATE_GRACE_S)
-        progress.close()
+    with _Signals():
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
+                                start_new_session=True)  # own process group: a notebook interrupt reaches us only
+        reader = threading.Thread(target=_stream, args=(proc, on_line), daemon=True)
+        reader.start()
+        started = time.monotonic()
+        try:
+            while proc.poll() is None:
+                if timeout_s is not None and time.monotonic() - started > timeout_s:
+                    _terminate(proc)
+                    raise TimeoutError(f"{job.WORKER} ran past timeout_s={timeout_s}; all workers were terminated. "
+                                       f"Logs in {log_dir}")
+                time.sleep(0.1)
+        except BaseException:
+            _terminate(proc)
+            raise
+        finally:
+            reader.join(timeout=TERMINATE_GRACE_S)
+            progress.close()
 
     if proc.returncode != 0:
         rank, local_rank, code = _first_failure(run_dir, "\n".join(output))
         raise WorkerError(rank, code if code is not None else proc.returncode,
                           _rank_log_tail(log_dir, local_rank), log_dir)
-    result = _read_result(run_dir / worker.RESULT_FILE, launch_env)
+    result_file = run_dir / worker.RESULT_FILE
+    result = json.loads(result_file.read_text()) if result_file.exists() else {}
     result["events"] = progress.events
     return result
-
-
-SHARED_RESULT_WAIT_S = 60.0
-"""On nodes other than 0, how long to wait for node 0's rank 0 to write result.json."""
-
-
-def _read_result(path: Path, launch_env: runtime.LaunchEnv) -> dict[str, Any]:
-    """Rank 0's result; on other nodes of a multi-node job it arrives through shared storage."""
-    if launch_env.node_rank > 0:
-        deadline = time.monotonic() + SHARED_RESULT_WAIT_S
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(1.0)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"node {launch_env.node_rank}: global rank 0 runs on node 0 and writes its result to {path}, "
-                f"which this node cannot see. On a multi-node job put run_dir on storage every node mounts "
-                f"(NAS/CPFS/OSS), as checkpoints need anyway.")
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: exit 0 on success, 1 on a worker failure, 2 on a bad config; messages fit a cluster log."""
-    from pai_cookbook.config import ConfigError
-
-    parser = argparse.ArgumentParser(prog="python -m pai_cookbook.launch", description=__doc__.splitlines()[0])
-    parser.add_argument("module", help="worker module, e.g. pai_cookbook.train")
-    parser.add_argument("--config", type=Path, help="RunConfig JSON")
-    parser.add_argument("--nproc-per-node", type=int, default=1)
-    parser.add_argument("--run-dir", type=Path, default=Path("runs/latest"))
-    parser.add_argument("--timeout-s", type=float)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    worker_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    opts = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    try:
-        config = RunConfig.load(opts.config) if opts.config else None
-        result = launch(opts.module, config, nproc_per_node=opts.nproc_per_node, args=worker_args,
-                        run_dir=opts.run_dir, timeout_s=opts.timeout_s, show_progress=False)
-    except ConfigError as err:
-        print(f"pai_cookbook.launch: bad configuration: {err}", file=sys.stderr)
-        return 2
-    except (WorkerError, TimeoutError) as err:
-        print(f"pai_cookbook.launch: {err}", file=sys.stderr)
-        return 1
-    result.pop("events", None)
-    print(json.dumps(result, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

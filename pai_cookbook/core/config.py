@@ -11,14 +11,15 @@ The model's own architecture, `ModelConfig`, lives in `pai_cookbook.model_config
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pai_cookbook.model_config import ConfigError, ModelConfig, _positive, _require
+from pai_cookbook.core import layout
+from pai_cookbook.core.model_config import ConfigError, ModelConfig, _positive, _require
+from pai_cookbook.core.worker import Job
 
 __all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "MemoryConfig", "ModelConfig", "OptimizerConfig",
            "ParallelConfig", "PrecisionConfig", "RunConfig", "with_token_budget"]
@@ -203,8 +204,11 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
-class RunConfig:
-    """Everything one training run needs; serialised to JSON for the torchrun workers."""
+class RunConfig(Job):
+    """Everything one training run needs: the training worker's job, JSON for the torchrun workers."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.train"
+    SPANS_NODES: ClassVar[bool] = True
 
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -243,7 +247,8 @@ class RunConfig:
                  f"{self.model.max_position_embeddings}; shorten seq_length.")
 
     def validate(self, world_size: int, device: Any = None) -> None:
-        """Check the layout against the model and the world size, and precision against the device.
+        """Check the layout against the model and the world size (`layout.check`), the batch against the
+        layout, and precision against the device.
 
         Args:
             world_size: total processes (nodes x processes per node).
@@ -251,38 +256,9 @@ class RunConfig:
         Raises:
             ConfigError: naming the offending value and the fix.
         """
-        m, p = self.model, self.parallel
-        tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
-            p.virtual_pipeline_model_parallel_size
-        dp = p.data_parallel_size(world_size)
-        _require(m.num_attention_heads % tp == 0,
-                 f"num_attention_heads {m.num_attention_heads} is not divisible by TP={tp}; "
-                 f"each TP rank needs whole heads. Use TP in {_divisors(m.num_attention_heads)}.")
-        _require(m.query_groups % tp == 0,
-                 f"num_query_groups {m.query_groups} is not divisible by TP={tp}; each TP rank needs whole "
-                 f"KV heads. Use TP in {_divisors(m.query_groups)}.")
-        _require(m.ffn_hidden_size % tp == 0,
-                 f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP={tp}.")
-        stages = pp * (vpp or 1)
-        _require(m.num_layers % stages == 0,
-                 f"num_layers {m.num_layers} is not divisible by PP x virtual PP = {pp} x {vpp or 1}; "
-                 f"each pipeline chunk needs the same number of layers. Use PP x VPP in "
-                 f"{_divisors(m.num_layers)}.")
-        if m.is_moe:
-            ep, etp = p.expert_model_parallel_size, p.expert_tp
-            _require(m.num_experts % ep == 0,
-                     f"num_experts {m.num_experts} is not divisible by EP={ep}; each EP rank holds "
-                     f"num_experts / EP whole experts. Use EP in {_divisors(m.num_experts)}.")
-            _require(world_size % (ep * etp * pp) == 0,
-                     f"world size {world_size} is not divisible by EP x expert-TP x PP = {ep} x {etp} x {pp}.")
-            _require(m.moe_token_dispatcher_type != "flex" or getattr(device, "is_cuda", True),
-                     "moe_token_dispatcher_type='flex' needs DeepEP on GPUs; use 'alltoall' on this machine.")
-            _require(not (m.moe_grouped_gemm and device is not None and not device.is_cuda),
-                     "moe_grouped_gemm=True needs CUDA (grouped_gemm or Transformer Engine); set it to None "
-                     "to run experts as a per-expert loop on CPU.")
-        elif p.expert_model_parallel_size > 1:
-            raise ConfigError(f"expert_model_parallel_size {p.expert_model_parallel_size} is set for a dense "
-                              f"model (num_experts=None); set it to 1.")
+        p = self.parallel
+        pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+        dp = layout.check(self.model, p, world_size, purpose="train", device=device)
         micro_x_dp = self.data.micro_batch_size * dp
         _require(self.data.global_batch_size % micro_x_dp == 0,
                  f"global_batch_size {self.data.global_batch_size} is not divisible by micro_batch_size x DP = "
@@ -301,21 +277,8 @@ class RunConfig:
             _require(self.precision.dtype != "fp16" or device.is_cuda,
                      "dtype='fp16' needs a GPU (CPU kernels lack half-precision GEMMs); use 'bf16' or 'fp32'.")
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> "RunConfig":
-        return _from_dict(cls, json.loads(text))
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(self.to_json())
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> "RunConfig":
-        return cls.from_json(Path(path).read_text())
+    def check(self, world_size: int, device: Any) -> None:
+        self.validate(world_size, device)
 
 
 def with_token_budget(config: RunConfig, train_tokens: int, warmup_tokens: int = 0) -> RunConfig:
@@ -331,18 +294,37 @@ def with_token_budget(config: RunConfig, train_tokens: int, warmup_tokens: int =
     return dataclasses.replace(config, train_iters=math.ceil(train_tokens / per_step), optimizer=optimizer)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _check_type(owner: str, name: str, hint: Any, value: Any) -> Any:
+    """Rebuild one field from JSON: nested dataclasses (also in lists and optionals); scalars type-checked."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        _require(isinstance(value, dict), f"{owner}.{name} must be an object of {hint.__name__} fields, got {value!r}.")
+        return from_dict(hint, value)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(owner, name, inner[0], value) if len(inner) == 1 else value
+    if origin in (list, tuple) and args:
+        _require(isinstance(value, list), f"{owner}.{name} must be a list, got {value!r}.")
+        return [_check_type(owner, f"{name}[{i}]", args[0], v) for i, v in enumerate(value)]
+    if hint in (int, float, str, bool):
+        ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+        ok = ok or (hint is float and isinstance(value, int) and not isinstance(value, bool))
+        _require(ok, f"{owner}.{name} must be {hint.__name__}, got {value!r} ({type(value).__name__}); "
+                     f"write it without quotes{' as a number' if hint in (int, float) else ''}.")
+    return value
 
 
-def _from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Rebuild a (nested) config dataclass from `dataclasses.asdict` output; unknown keys are errors."""
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Rebuild a (nested) config or job dataclass from `dataclasses.asdict` output.
+
+    Unknown keys and values of the wrong type are ConfigErrors naming the field, not tracebacks from
+    deep inside a worker.
+    """
+    _require(isinstance(data, dict), f"{cls.__name__} must be a JSON object of its fields, got {type(data).__name__}.")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = set(data) - names
     _require(not unknown, f"{cls.__name__} has no field(s) {sorted(unknown)}; known: {sorted(names)}.")
-    kwargs = {}
-    for key, value in data.items():
-        hint = hints[key]
-        kwargs[key] = _from_dict(hint, value) if dataclasses.is_dataclass(hint) else value
-    return cls(**kwargs)
+    return cls(**{key: _check_type(cls.__name__, key, hints[key], value) for key, value in data.items()})

@@ -13,11 +13,13 @@ gate), Qwen3-MoE (QK norm).
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from pai_cookbook.config import ConfigError, ModelConfig
+from pai_cookbook.core.config import ConfigError, ModelConfig
 
 # Megatron-Core's Llama 3 rotary scaling has these constants built in (rotary_pos_embedding._apply_scaling).
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -171,8 +173,45 @@ def load_hf_config(source: str | Path | dict[str, Any] | Any) -> Any:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {folder}; point at a Hugging Face model folder "
                                 f"(the one holding config.json and *.safetensors).")
+    raw = _read_config_json(folder / "config.json")
+    if raw.get("model_type") not in FAMILIES:
+        raise ConfigError(f"unsupported architecture: model_type={raw.get('model_type')!r} in {folder / 'config.json'}; "
+                          f"the cookbook supports {supported()}.")
     # trust_remote_code stays off: only architectures transformers itself implements are read.
-    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    hf = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    _check_keys(raw, hf, folder / "config.json")
+    return hf
+
+
+# The keys that set the shapes of the weights: a misspelt one silently takes transformers' default.
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "num_local_experts", "num_experts", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "num_experts_per_tok", "tie_word_embeddings", "max_position_embeddings")
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        size = path.stat().st_size
+        raise ConfigError(f"{path} is not valid JSON ({size} bytes: {err}); it is truncated or damaged. Download it "
+                          f"again or restore it from the model's source.") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object of config keys; restore it.")
+    return raw
+
+
+def _check_keys(raw: dict[str, Any], hf: Any, path: Path) -> None:
+    """Name a misspelt shape key (e.g. num_hidden_layer) instead of letting its default mismatch the weights."""
+    import difflib
+
+    known = set(type(hf)().to_dict()) | set(SHAPE_KEYS)
+    for key in sorted(set(raw) - known):
+        close = difflib.get_close_matches(key, [k for k in SHAPE_KEYS if k not in raw], n=1, cutoff=0.85)
+        if close:
+            raise ConfigError(f"{path} has the key {key!r}, which {type(hf).__name__} does not know; did you mean "
+                              f"{close[0]!r}? Without it transformers uses its default ({getattr(hf, close[0], None)!r}), "
+                              f"which does not match the weights. Fix the key in config.json.")
 
 
 def from_hf(source: str | Path | dict[str, Any] | Any) -> ModelConfig:

@@ -12,31 +12,41 @@ mid-write leaves only the .partial folder, which no loader opens.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pai_cookbook.config import ModelConfig
+from pai_cookbook.core import tokenizer
+from pai_cookbook.core.config import ModelConfig
 
 CONFIG_FILE = "pai_cookbook.json"
 HF_ASSETS = "hf_assets"
 PARTIAL_SUFFIX = ".partial"
-ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
-TOKENIZER_ASSET_FILES = tuple(name for name in ASSET_FILES if name not in ("config.json", "generation_config.json"))
+ASSET_FILES = ("config.json", "generation_config.json") + tokenizer.FILES
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def check_writable(out: str | Path, overwrite: bool, how_to_overwrite: str = "overwrite=True") -> None:
     """Refuse an output folder that already holds files, unless overwriting was asked for."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a folder; choose another output folder.")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} already holds files; choose another folder or set {how_to_overwrite} "
                               f"to replace it.")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise PermissionError(f"{out} cannot be written by this user ({parent} is read-only); choose a writable "
+                              f"folder.")
 
 
 def partial_dir(out: str | Path) -> Path:
@@ -51,6 +61,24 @@ def prepare(out: str | Path, overwrite: bool) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     return partial
+
+
+@contextlib.contextmanager
+def writing(out: str | Path, overwrite: bool) -> Iterator[Path]:
+    """A fresh `<out>.partial` to write into, published as `out` when the block completes; removed
+    when it fails (a full disk, a crash, a timeout, an interrupt), so it neither keeps a disk full nor
+    looks like a checkpoint.
+
+    Raises:
+        FileExistsError: `out` holds files and overwrite is False.
+    """
+    partial = prepare(out, overwrite)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    publish(partial, out)
 
 
 def publish(partial: Path, out: str | Path) -> Path:
@@ -85,6 +113,11 @@ def copy_assets(src: Path, dst: Path, names: tuple[str, ...] = ASSET_FILES) -> l
     for name in copied:
         shutil.copy2(src / name, dst / name)
     return copied
+
+
+def load_tokenizer(ckpt: str | Path):
+    """The Hugging Face tokenizer a checkpoint carries in `hf_assets/`."""
+    return tokenizer.load(Path(ckpt) / HF_ASSETS, what=f"checkpoint {ckpt}")
 
 
 def _state(chunks: list[torch.nn.Module]) -> dict[str, Any]:

@@ -20,13 +20,17 @@ import contextlib
 import functools
 import os
 import sys
-import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from pai_cookbook.core import standins
+
+PROVEN_ON = "0.16"
+"""The Megatron-Core minor version these patches were written and tested for (megatron-core 0.16.x)."""
 SKIP_ENV = "PAI_COOKBOOK_COMPAT_SKIP"
 """Comma-separated patch names to leave out: a diagnostic switch used by the tests."""
 
@@ -39,14 +43,6 @@ class Patch:
     symptom: str
     """What happens on a CPU-only machine without this patch."""
     apply: Callable[[], None]
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, int):
-        return True  # a bare index means a CUDA ordinal in torch's API
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    return isinstance(device, str) and device.startswith("cuda")
 
 
 def _rebind(module: types.ModuleType, name: str, new: Any) -> None:
@@ -90,31 +86,10 @@ _CUDA_LITERAL_MODULES = (
 )
 
 
-class _CpuTorch(types.ModuleType):
-    """`torch` as seen by one Megatron module: tensor factories map device='cuda' to the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        for name in _FACTORIES:
-            setattr(self, name, self._cpu_factory(getattr(torch, name)))
-
-    @staticmethod
-    def _cpu_factory(factory: Callable) -> Callable:
-        @functools.wraps(factory)
-        def wrapper(*args, **kwargs):
-            if _is_cuda_device(kwargs.get("device")):
-                kwargs["device"] = "cpu"
-            return factory(*args, **kwargs)
-        return wrapper
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
 def _patch_cuda_literals() -> None:
     import importlib
 
-    cpu_torch = _CpuTorch()
+    cpu_torch = standins.CpuTorch(_FACTORIES)
     for name in _CUDA_LITERAL_MODULES:
         importlib.import_module(name).torch = cpu_torch
 
@@ -150,59 +125,13 @@ def _patch_rng_tracker() -> None:
 
 
 # --- 4. streams, events and synchronize ---------------------------------------------------------
-class _NullStream:
-    """A CUDA stream/event stand-in: CPU ops run in program order, so waits and syncs are no-ops.
-
-    There is one CPU "stream": all instances compare equal (code that asks "am I on a side stream?"
-    gets no), and every method (wait_stream, record_event, synchronize, ...) returns another stand-in.
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _NullStream)
-
-    def __hash__(self) -> int:
-        return 0
-
-    def __getattr__(self, name: str) -> Callable:
-        return lambda *args, **kwargs: _NullStream()
-
-    def query(self) -> bool:
-        return True
-
-
-class _CpuEvent(_NullStream):
-    """A CUDA event stand-in that keeps time: Megatron-Core's static inference controller records an
-    event per generated token and reads `elapsed_time` (milliseconds) as a number for its per-token
-    latencies; on CPU, work is done when `record` returns, so a wall-clock stamp is the event time."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.time_s: float | None = None
-
-    def record(self, *args, **kwargs) -> None:
-        self.time_s = time.perf_counter()
-
-    def elapsed_time(self, end: "_CpuEvent") -> float:
-        if self.time_s is None or end.time_s is None:
-            raise RuntimeError("elapsed_time needs both events recorded (call record() on each first).")
-        return (end.time_s - self.time_s) * 1e3
-
-
 def _patch_streams() -> None:
-    torch.cuda.Stream = _NullStream
-    torch.cuda.Event = _CpuEvent
+    torch.cuda.Stream = standins.NullStream
+    torch.cuda.Event = standins.CpuEvent
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.current_stream = _NullStream
-    torch.cuda.default_stream = _NullStream
-    torch.cuda.stream = _NullStream
+    torch.cuda.current_stream = standins.NullStream
+    torch.cuda.default_stream = standins.NullStream
+    torch.cuda.stream = standins.NullStream
 
 
 # --- 5. optimizers that identify fp32 params by CUDA type name ------------------------------------
@@ -296,18 +225,6 @@ def _patch_torch_norm_sequence_parallel() -> None:
 
 
 # --- 9. selective recompute reaches for Transformer Engine names -----------------------------------
-class _NoFP8:
-    """Without Transformer Engine FP8 is never enabled; answers the two questions recompute asks."""
-
-    @staticmethod
-    def is_fp8_enabled() -> bool:
-        return False
-
-    @staticmethod
-    def get_fp8_recipe() -> None:
-        return None
-
-
 def _patch_recompute_without_te() -> None:
     """CheckpointWithoutOutput (selective recompute of layernorm/mlp/moe_act) uses three TE names.
 
@@ -317,7 +234,7 @@ def _patch_recompute_without_te() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     stand_ins = {
-        "FP8GlobalStateManager": _NoFP8,
+        "FP8GlobalStateManager": standins.NoFP8,
         "activation_recompute_forward": lambda *args, **kwargs: contextlib.nullcontext(),
         "fp8_autocast": lambda *args, **kwargs: contextlib.nullcontext(),
     }
@@ -428,6 +345,24 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 
+def check_version(version: str | None = None) -> None:
+    """Refuse a Megatron-Core other than the one the patches were proven on: patching another version
+    blindly could miss a new CUDA assumption or rebind a name that now means something else.
+
+    Raises:
+        RuntimeError: naming the installed version and the fix.
+    """
+    if version is None:
+        import megatron.core
+
+        version = megatron.core.__version__
+    if version.split(".")[:2] != PROVEN_ON.split("."):
+        raise RuntimeError(f"megatron-core {version} is installed, but the cookbook's CPU compatibility layer was "
+                           f"written and tested for megatron-core {PROVEN_ON}.x. On a machine without CUDA install "
+                           f"'megatron-core=={PROVEN_ON}.*' (bash ci/setup_env.sh does); GPU machines need no patches "
+                           f"and run any supported version.")
+
+
 def apply(skip: tuple[str, ...] | None = None) -> list[str]:
     """Apply every patch once per process; a no-op (returns []) when CUDA is available.
 
@@ -442,6 +377,7 @@ def apply(skip: tuple[str, ...] | None = None) -> list[str]:
     if torch.cuda.is_available():
         _applied = []
         return _applied
+    check_version()
     if skip is None:
         skip = tuple(s for s in os.environ.get(SKIP_ENV, "").split(",") if s)
     unknown = set(skip) - {p.name for p in PATCHES}

@@ -136,6 +136,9 @@ class ModelConfig:
         _require(self.num_attention_heads % groups == 0,
                  f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
                  f"{groups}; grouped-query attention needs whole groups of query heads per KV head.")
+        _require(self.moe_aux_loss_coeff >= 0 and (self.moe_z_loss_coeff or 0) >= 0,
+                 f"moe_aux_loss_coeff {self.moe_aux_loss_coeff} and moe_z_loss_coeff {self.moe_z_loss_coeff} must "
+                 f"be >= 0 (a negative weight rewards imbalance); use 0 to switch a loss off.")
         if self.num_experts is not None:
             _require(self.moe_router_topk <= self.num_experts,
                      f"moe_router_topk {self.moe_router_topk} exceeds num_experts {self.num_experts}; "

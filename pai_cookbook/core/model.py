@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pai_cookbook.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
-from pai_cookbook.runtime import DeviceInfo
+from pai_cookbook.core.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.core.runtime import DeviceInfo
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

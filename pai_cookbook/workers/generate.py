@@ -22,15 +22,15 @@ benchmark compares against), through the same controller and sampler.
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from pai_cookbook import checkpoint, runtime, worker
-from pai_cookbook.config import ParallelConfig, PrecisionConfig
+from pai_cookbook.core import checkpoint, runtime, worker
+from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
+from pai_cookbook.core.tokenizer import MegatronView
+from pai_cookbook.generate import GenerationBatch, GenerationConfig, GenerationJob
 
 FINISH_EOS, FINISH_STOP, FINISH_LENGTH = "eos", "stop", "length"
 _BATCH_SEED_STRIDE = 1_000_003  # a prime above any batch count: distinct (seed, batch) -> distinct streams
@@ -39,26 +39,8 @@ _BATCH_SEED_STRIDE = 1_000_003  # a prime above any batch count: distinct (seed,
 _PP_MICROBATCH_TOKENS = 512
 
 
-class TokenizerView:
-    """The tokenizer interface Megatron-Core's controller calls, over a Hugging Face tokenizer."""
-
-    def __init__(self, hf_tokenizer, eos_ids: list[int]):
-        self.hf = hf_tokenizer
-        self.eos_ids = eos_ids
-        self.eod = eos_ids[0] if eos_ids else -1  # the controller pads with it; -1: never terminates
-        self.bos = hf_tokenizer.bos_token_id
-        self.vocab_size = len(hf_tokenizer)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.hf(text).input_ids
-
-    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
 def _controller_class():
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-        TextGenerationController)
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
     class CookbookController(TextGenerationController):
         """Megatron-Core's controller plus repetition penalty, vocabulary-padding mask, EOS ids, stops."""
@@ -137,7 +119,7 @@ def _wrapper_class(kv_cache: bool):
     return CountingWrapper if kv_cache else RecomputingWrapper
 
 
-def build_engine(gpt, model, tokenizer: TokenizerView, config: dict[str, Any], max_sequence: int,
+def build_engine(gpt, model, tokenizer: MegatronView, config: GenerationConfig, max_sequence: int,
                  parallel: ParallelConfig, dtype: torch.dtype):
     """Megatron-Core's static engine over `gpt`, with the cookbook's controller and wrapper."""
     from megatron.core.inference.contexts import StaticInferenceContext
@@ -147,38 +129,37 @@ def build_engine(gpt, model, tokenizer: TokenizerView, config: dict[str, Any], m
     wrapper_config = InferenceWrapperConfig(
         hidden_size=model.hidden_size, params_dtype=dtype, padded_vocab_size=model.padded_vocab_size(
             parallel.tensor_model_parallel_size), inference_batch_times_seqlen_threshold=_PP_MICROBATCH_TOKENS,
-        inference_max_requests=config["batch_size"], inference_max_seq_length=max_sequence)
-    wrapped = _wrapper_class(config["kv_cache"])(gpt, wrapper_config,
+        inference_max_requests=config.batch_size, inference_max_seq_length=max_sequence)
+    wrapped = _wrapper_class(config.kv_cache)(gpt, wrapper_config,
                                                  StaticInferenceContext.from_config(wrapper_config))
     wrapped.forward_lengths = []
     controller = _controller_class()(wrapped, tokenizer)
     # legacy=True: the batched static path; the dynamic engine needs flash_attn and CUDA graphs.
-    return StaticInferenceEngine(controller, max_batch_size=config["batch_size"], legacy=True)
+    return StaticInferenceEngine(controller, max_batch_size=config.batch_size, legacy=True)
 
 
-def run_job(job: dict[str, Any], device: runtime.DeviceInfo) -> dict[str, Any]:
+def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     """Generate every prompt of one job on this rank's share of the batches; results on global rank 0."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.inference_request import InferenceRequest
     from megatron.core.inference.sampling_params import SamplingParams
-    from transformers import AutoTokenizer
 
-    from pai_cookbook.model import build_model, torch_dtype
+    from pai_cookbook.core.model import build_model, torch_dtype
 
-    config, parallel = job["config"], ParallelConfig(**job["parallel"])
-    model, saved_dtype = checkpoint.read_config(job["ckpt"])
-    precision = PrecisionConfig(dtype=config["dtype"] or checkpoint.DTYPE_NAMES[saved_dtype])
+    config, parallel = job.config, job.parallel
+    model, saved_dtype = checkpoint.read_config(job.ckpt)
+    precision = PrecisionConfig(dtype=config.dtype or checkpoint.DTYPE_NAMES[saved_dtype])
     (gpt,) = build_model(model, parallel, precision, device, seed=0)
-    checkpoint.load([gpt], job["ckpt"])
-    tokenizer = TokenizerView(AutoTokenizer.from_pretrained(Path(job["ckpt"]) / checkpoint.HF_ASSETS), job["eos_ids"])
-    prompts = job["prompt_ids"]
-    engine = build_engine(gpt, model, tokenizer, config, job["max_sequence"], parallel, torch_dtype(precision))
+    checkpoint.load([gpt], job.ckpt)
+    tokenizer = MegatronView(checkpoint.load_tokenizer(job.ckpt), job.eos_ids)
+    prompts = job.prompt_ids
+    engine = build_engine(gpt, model, tokenizer, config, job.max_sequence, parallel, torch_dtype(precision))
     controller, wrapped = engine.controller, engine.controller.inference_wrapped_model
-    params = SamplingParams(temperature=config["temperature"], top_k=config["top_k"], top_p=float(config["top_p"]),
-                            num_tokens_to_generate=config["max_new_tokens"])
+    params = SamplingParams(temperature=config.temperature, top_k=config.top_k, top_p=float(config.top_p),
+                            num_tokens_to_generate=config.max_new_tokens)
     params.add_attributes({"no_early_termination": True})  # end-of-sequence is the cookbook controller's rule
 
-    batch_size = config["batch_size"]
+    batch_size = config.batch_size
     batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
     # Data-parallel replicas share the batches. Not with EP > 1: every forward then exchanges tokens
     # with the other EP ranks, so all ranks must run the same batches step for step.
@@ -191,9 +172,9 @@ def run_job(job: dict[str, Any], device: runtime.DeviceInfo) -> dict[str, Any]:
     for number, batch in enumerate(batches):
         if number % dp_size != dp_rank:
             continue
-        controller.sampling_rng.manual_seed(config["seed"] * _BATCH_SEED_STRIDE + number)
-        controller.configure(vocab_size=model.vocab_size, repetition_penalty=config["repetition_penalty"],
-                             eos_ids=[] if config["ignore_eos"] else job["eos_ids"], stop=config["stop"],
+        controller.sampling_rng.manual_seed(config.seed * _BATCH_SEED_STRIDE + number)
+        controller.configure(vocab_size=model.vocab_size, repetition_penalty=config.repetition_penalty,
+                             eos_ids=[] if config.ignore_eos else job.eos_ids, stop=config.stop,
                              prompt_lengths=[len(prompts[i]) for i in batch])
         wrapped.forward_lengths = []
         requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=list(prompts[i]),
@@ -221,10 +202,10 @@ def _gather(job, mine, forward_lengths, seconds, parallel) -> dict[str, Any]:
     for share in everyone:  # the TP/PP ranks of one DP replica must hold identical outputs
         for i, out in share["outputs"].items():
             agree &= merged.setdefault(i, out) == out
-    tokens = [merged[i][0] for i in range(len(job["prompt_ids"]))]
+    tokens = [merged[i][0] for i in range(len(job.prompt_ids))]
     slowest = max(share["seconds"] for share in everyone)
     generated = sum(len(t) for t in tokens)
-    return {"label": job["label"], "tokens": tokens, "finish": [merged[i][1] for i in range(len(tokens))],
+    return {"label": job.label, "tokens": tokens, "finish": [merged[i][1] for i in range(len(tokens))],
             "ranks_agree": agree, "seconds": slowest, "generated_tokens": generated,
             "tokens_per_s": generated / slowest if slowest > 0 else 0.0,
             "forward_lengths": [lengths for _, lengths in sorted(  # per batch, from whichever rank ran it
@@ -233,17 +214,12 @@ def _gather(job, mine, forward_lengths, seconds, parallel) -> dict[str, Any]:
                        "ep": parallel.expert_model_parallel_size, "dp": ps.get_data_parallel_world_size()}}
 
 
-@worker.entry
-def main(jobs_path: str) -> dict[str, Any] | None:
-    jobs = json.loads(Path(jobs_path).read_text())
-    results = []
-    try:
-        layouts = ((ParallelConfig(**job["parallel"]), job["config"]["seed"]) for job in jobs)
-        for job, device in zip(jobs, runtime.each_layout(layouts)):
-            results.append(run_job(job, device))
-        return {"jobs": results} if worker.rank() == 0 else None
-    finally:
-        runtime.destroy_distributed()
+@worker.entry(GenerationBatch)
+def main(batch: GenerationBatch) -> dict[str, Any] | None:
+    with worker.session():
+        layouts = ((job.parallel, job.config.seed) for job in batch.jobs)
+        results = [run_job(job, device) for job, device in zip(batch.jobs, runtime.each_layout(layouts))]
+    return {"jobs": results} if worker.rank() == 0 else None
 
 
 if __name__ == "__main__":

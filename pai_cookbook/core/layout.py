@@ -1,0 +1,119 @@
+"""Which parallel layouts fit a model and a world: decided here and nowhere else.
+
+A layout is a `ParallelConfig` (TP, PP, virtual PP, EP, expert-TP, sequence parallel). Whether it fits
+depends on the model (heads, KV groups, layers, experts), the world (processes in the job), the device
+and what the job does with it:
+- "train": every rule, plus Megatron-Core's training-only rule that MoE at TP > 1 needs sequence
+  parallelism (its MoE layer raises it in the first training forward);
+- "load": the structural rules only (converting, resharding, upcycling, logits parity);
+- "infer": the structural rules, plus what Megatron-Core's static inference engine does not run
+  (interleaved PP, sequence parallelism, TP together with EP).
+
+`record` is the one description of a layout that checkpoints store (`saved_at`) and resumes compare.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+from pai_cookbook.core.model_config import ConfigError, ModelConfig, _require
+
+if TYPE_CHECKING:  # config imports this module: the rules take a ParallelConfig, they do not build one
+    from pai_cookbook.core.config import ParallelConfig
+
+Purpose = Literal["train", "load", "infer"]
+PURPOSES = ("train", "load", "infer")
+
+
+def world_size(parallel: ParallelConfig) -> int:
+    """The smallest number of processes that holds a layout: PP x lcm(TP, EP x expert-TP)."""
+    return parallel.pipeline_model_parallel_size * math.lcm(parallel.tensor_model_parallel_size,
+                                                             parallel.expert_model_parallel_size * parallel.expert_tp)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None, *, purpose: Purpose = "train",
+          device: Any = None) -> int:
+    """Refuse a layout that does not fit `model` on `world` processes of `device` for `purpose`.
+
+    Args:
+        world: processes in the job; None means the layout's own smallest world (`world_size`).
+        device: a `runtime.DeviceInfo`; None skips the hardware rules.
+    Returns:
+        The data-parallel size.
+    Raises:
+        ConfigError: naming the offending value and the fix.
+    """
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose {purpose!r} is not one of {PURPOSES}")
+    m, p = model, parallel
+    world = world_size(p) if world is None else world
+    tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    dp = p.data_parallel_size(world)
+    _require(m.num_attention_heads % tp == 0,
+             f"num_attention_heads {m.num_attention_heads} is not divisible by TP={tp}: TP={tp} must divide the "
+             f"{m.num_attention_heads} attention heads (each TP rank needs whole heads). Use TP in "
+             f"{divisors(m.num_attention_heads)}.")
+    _require(m.query_groups % tp == 0,
+             f"num_query_groups {m.query_groups} is not divisible by TP={tp}: TP={tp} must divide the "
+             f"{m.query_groups} KV groups (each TP rank needs whole KV heads). Use TP in {divisors(m.query_groups)}.")
+    _require(m.ffn_hidden_size % tp == 0, f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP={tp}.")
+    stages = pp * (vpp or 1)
+    splitter = f"PP x VPP = {stages}" if vpp else f"PP={pp}"
+    _require(m.num_layers % stages == 0,
+             f"num_layers {m.num_layers} is not divisible by PP x virtual PP = {pp} x {vpp or 1}: {splitter} must "
+             f"divide the {m.num_layers} layers (each pipeline chunk needs the same number of layers). Use PP x VPP "
+             f"in {divisors(m.num_layers)}.")
+    if m.is_moe:
+        ep, etp = p.expert_model_parallel_size, p.expert_tp
+        _require(m.num_experts % ep == 0,
+                 f"num_experts {m.num_experts} is not divisible by EP={ep}; each EP rank holds "
+                 f"num_experts / EP whole experts. Use EP in {divisors(m.num_experts)}.")
+        _require(world % (ep * etp * pp) == 0,
+                 f"world size {world} is not divisible by EP x expert-TP x PP = {ep} x {etp} x {pp}.")
+        _require(m.moe_token_dispatcher_type != "flex" or getattr(device, "is_cuda", True),
+                 "moe_token_dispatcher_type='flex' needs DeepEP on GPUs; use 'alltoall' on this machine.")
+        _require(not (m.moe_grouped_gemm and device is not None and not device.is_cuda),
+                 "moe_grouped_gemm=True needs CUDA (grouped_gemm or Transformer Engine); set it to None "
+                 "to run experts as a per-expert loop on CPU.")
+        # Megatron-Core's MoE layer raises this in the first training forward (inference is fine without SP).
+        _require(purpose != "train" or tp == 1 or p.sequence_parallel,
+                 f"training an MoE model at TP={tp} needs sequence_parallel=True (each TP rank routes its own "
+                 f"slice of the sequence).")
+    elif p.expert_model_parallel_size > 1:
+        raise ConfigError(f"expert_model_parallel_size {p.expert_model_parallel_size} is set for a dense "
+                          f"model (num_experts=None); set it to 1.")
+    if purpose == "infer":
+        _check_inference(p)
+    return dp
+
+
+def _check_inference(p: ParallelConfig) -> None:
+    """Layouts Megatron-Core's static inference runs: TP, PP, EP (not interleaved PP, SP, or TP with EP)."""
+    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
+    _require(p.virtual_pipeline_model_parallel_size is None,
+             "virtual pipeline parallelism is not supported by Megatron-Core inference; set "
+             "virtual_pipeline_model_parallel_size=None (the checkpoint loads at any layout).")
+    _require(not p.sequence_parallel, "sequence_parallel=True is not supported by Megatron-Core's static inference "
+                                      "for these models; set it to False (it saves activation memory in training, "
+                                      "not in generation).")
+    _require(not (tp > 1 and ep > 1), f"TP={tp} with EP={ep}: Megatron-Core's static inference then needs "
+                                      f"sequence-parallel MoE layers; use TP or EP alone.")
+
+
+def record(parallel: ParallelConfig, world: int) -> dict[str, int]:
+    """The layout a checkpoint was saved at, as `pai_cookbook.json` stores it under "saved_at"."""
+    p = parallel
+    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+            "vpp": p.virtual_pipeline_model_parallel_size or 1, "ep": p.expert_model_parallel_size,
+            "etp": p.expert_tp, "world": world}
+
+
+def same_layout(saved: dict[str, int], wanted: dict[str, int]) -> bool:
+    """Whether a resume at `wanted` matches the `saved` record (records written before a field existed
+    are compared on the fields they have)."""
+    return all(wanted.get(key) == value for key, value in saved.items())

@@ -1,0 +1,164 @@
+"""The worker side of a launch: the job protocol, progress lines, the result, error records.
+
+Every torchrun worker starts the same way. It takes one typed job (a `Job` dataclass, JSON on disk),
+and its entry point is tiny:
+
+    @worker.entry(RunConfig)
+    def main(config: RunConfig) -> dict:
+        with worker.session(config.parallel, config.seed) as device:
+            return train(config, device)      # the dict comes back to the notebook
+
+`entry` loads the job, records a crash (so the launcher can name the failing rank) and writes rank
+0's returned dict as JSON where `core.launch` reads it. `session` joins the process group, builds
+Megatron-Core's parallel state and always tears both down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+RUN_DIR_ENV = "PAI_COOKBOOK_RUN_DIR"
+"""Folder of the current launch: job, per-rank logs, result.json."""
+PROGRESS_MARK = "@@pai_cookbook "
+"""Prefix of the machine-readable lines that rank 0 prints for the launcher."""
+RESULT_FILE = "result.json"
+JOB_FILE = "job.json"
+ERROR_DIR = "errors"
+"""run_dir/errors/rank{N}.json: a failing rank's exception with a precise time, to find the first one."""
+
+J = TypeVar("J", bound="Job")
+
+
+class Job:
+    """Base of every worker's job: a `@dataclass(kw_only=True)` that travels to the workers as JSON.
+
+    A subclass names the module torchrun runs (`WORKER`) and may check itself against the world it
+    will run in (`check`), which `core.launch` calls before any process starts.
+    """
+
+    WORKER: ClassVar[str]
+    """Module (or .py path) whose `main` is `worker.entry(ThisJob)(...)`."""
+    SPANS_NODES: ClassVar[bool] = False
+    """True for jobs whose world grows with the nodes of a multi-node job (training); False for jobs of
+    a fixed world (conversion, parity, generation), which node 0 runs alone."""
+
+    def check(self, world_size: int, device: Any) -> None:
+        """Raise ConfigError if this job cannot run on `world_size` processes of `device`."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls: type[J], text: str) -> J:
+        from pai_cookbook.core.config import from_dict
+
+        return from_dict(cls, json.loads(text))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls: type[J], path: str | Path) -> J:
+        from pai_cookbook.core.config import ConfigError
+
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+            return cls.from_json(text)
+        except FileNotFoundError:
+            raise ConfigError(f"{path} does not exist; write it with {cls.__name__}(...).save(path).") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path} is not valid JSON ({err}); write it with {cls.__name__}(...).save(path).") \
+                from None
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def report(event: str, **fields: Any) -> None:
+    """Send one structured event (progress, metric) to the launcher; only rank 0's are read."""
+    print(PROGRESS_MARK + json.dumps({"event": event, **fields}), flush=True)
+
+
+def progress(step: int, total: int, **metrics: Any) -> None:
+    """Advance the notebook's progress bar to `step` of `total`, showing `metrics` beside it."""
+    report("progress", step=step, total=total, **metrics)
+
+
+def _write_result(result: dict[str, Any]) -> None:
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir is None:  # run by hand, not by the launcher: print instead
+        print(json.dumps(result, indent=2))
+        return
+    path = Path(run_dir) / RESULT_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, path)  # atomic: the launcher never reads half a result
+
+
+def _write_error(err: BaseException) -> None:
+    """Record this rank's exception; when one rank dies, its peers fail later with secondary errors
+    (a closed connection), so the earliest record names the rank that broke the run.
+
+    Best effort: on a full disk the record itself may not fit, and the launcher then falls back to
+    torchrun's summary and the rank's log (the OS error is in both)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir is None:
+        return
+    folder = Path(run_dir) / ERROR_DIR
+    record = {"rank": rank(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "time": time.time(),
+              "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    path = folder / f"rank{rank()}.json"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
+    except OSError:
+        path.unlink(missing_ok=True)  # never leave half a record for the launcher to trip over
+
+
+def entry(job_type: type[J]) -> Callable[[Callable[[J], dict[str, Any] | None]], Callable[[], None]]:
+    """Turn `main(job) -> dict | None` into a torchrun entry point that reads `job_type` from argv[1]."""
+
+    def wrap(main: Callable[[J], dict[str, Any] | None]) -> Callable[[], None]:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        @record  # torchrun's own error file, for its summary
+        def run() -> None:
+            try:
+                result = main(job_type.load(sys.argv[1]))
+            except BaseException as err:
+                _write_error(err)
+                raise
+            if rank() == 0 and result is not None:
+                _write_result(result)
+
+        return run
+
+    return wrap
+
+
+@contextlib.contextmanager
+def session(parallel: Any = None, seed: int = 0) -> Iterator[Any]:
+    """Join the process group (and build Megatron-Core's parallel state for `parallel`, a
+    `ParallelConfig`, when given); always tear both down. Yields the `runtime.DeviceInfo`.
+
+    Workers that run several layouts in one launch pass no `parallel` and use `runtime.each_layout`.
+    """
+    from pai_cookbook.core import runtime
+
+    try:
+        yield runtime.init_distributed(parallel, seed)
+    finally:
+        runtime.destroy_distributed()

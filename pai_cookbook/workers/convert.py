@@ -1,0 +1,278 @@
+"""The conversion worker: streaming Hugging Face safetensors <-> torch_dist I/O, and resharding.
+
+Its job is a `pai_cookbook.convert.ConvertJob`, checked in the notebook process before launch:
+- hf2mcore writes PyTorch Distributed Checkpoint (DCP) files itself, with the chunk layout Megatron-Core's
+  own save would produce (taken from a model built on the meta device, so it costs no memory); each
+  chunk is read from its safetensors shard, converted (`hf_mapping`) and written just before it is
+  needed, then dropped.
+- mcore2hf loads the checkpoint one parameter at a time (only that parameter's chunks are read) and
+  writes safetensors shards as they fill up.
+- reshard loads a checkpoint at a layout with Megatron-Core and saves it from there.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook.convert import DEFAULT_SHARD_BYTES, ConvertJob, HFCheckpoint, inspect_hf
+from pai_cookbook.core import checkpoint, families, hf_mapping, layout, worker
+from pai_cookbook.core.config import ModelConfig, ParallelConfig, PrecisionConfig
+
+
+def meta_model(model: ModelConfig, dtype: torch.dtype):
+    """The TP=1/PP=1 GPTModel on the meta device: every name, shape and chunk layout, no memory."""
+    from pai_cookbook.core.model import build_model
+    from pai_cookbook.core.runtime import detect_device
+
+    precision = PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype])
+    with torch.device("meta"):
+        (gpt,) = build_model(model, ParallelConfig(), precision, detect_device(), seed=0)
+    return gpt
+
+
+class _HFReader:
+    """Reads HF tensors one at a time (the shard is opened per read: resident memory stays one tensor)."""
+
+    def __init__(self, source: HFCheckpoint):
+        self.source = source
+
+    def __call__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.source.folder / self.source.tensors[name][0], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of one Megatron parameter, as Megatron-Core's own save would lay it out."""
+
+    param: str
+    """Megatron parameter name (TP=1)."""
+    key: str
+    """Checkpoint key; layers (and experts) are stacked along leading axes of one tensor."""
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    """Where the chunk sits in the stacked global tensor."""
+    view: tuple[tuple[int, ...], tuple[int, ...], int]
+    """(size, stride, storage offset) of the chunk inside the parameter (SwiGLU fc1 has two chunks)."""
+
+
+def chunk_layout(model: ModelConfig, dtype: torch.dtype) -> tuple[list[Chunk], dict[str, Any]]:
+    """Every chunk of the checkpoint of `model`, and the PyTorch-DCP state dict that describes them.
+
+    Taken from a meta-device model's `sharded_state_dict()` with factories applied, so keys, stacking
+    and the SwiGLU gate/up split are exactly Megatron-Core's.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    state = meta_model(model, dtype).sharded_state_dict()
+    apply_factories(state)
+    chunks = []
+    for param, value in state.items():
+        for sh in nested_values({param: value}):
+            if isinstance(sh, ShardedTensor):
+                sizes = (1,) * sh.prepend_axis_num + tuple(sh.data.shape)
+                chunks.append(Chunk(param, sh.key, tuple(sh.global_offset), sizes,
+                                    (tuple(sh.data.size()), tuple(sh.data.stride()), sh.data.storage_offset())))
+    sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(state)
+    return chunks, mcore_to_pyt_state_dict(sharded, is_loading=False)
+
+
+def _lazy_planner(model: ModelConfig, read: _HFReader, chunks: list[Chunk], padded_vocab: int):
+    """A Megatron-Core save planner whose tensor data is built from HF tensors when DCP writes it."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+    by_index = {(c.key, c.offsets): c for c in chunks}
+    pending: dict[str, int] = {}
+    for c in chunks:
+        pending[c.param] = pending.get(c.param, 0) + 1
+
+    class LazyPlanner(MCoreSavePlanner):
+        # Parameters being written; one is dropped as soon as its last chunk (fc1 has two) is written,
+        # so the working set is about one parameter whatever order DCP writes in.
+        live: dict[str, torch.Tensor] = {}
+
+        def param(self, name: str) -> torch.Tensor:
+            if name not in self.live:
+                kind, hf_names = hf_mapping.hf_names(name, model)
+                self.live[name] = hf_mapping.to_megatron(kind, [read(n) for n in hf_names], model, padded_vocab)
+            return self.live[name]
+
+        def resolve_data(self, write_item):
+            chunk = by_index.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
+            if chunk is None:  # bytes (extra state): real, tiny, already in the state dict
+                return super().resolve_data(write_item)
+            data = self.param(chunk.param).as_strided(*chunk.view).reshape(chunk.sizes).contiguous()
+            pending[chunk.param] -= 1
+            if pending[chunk.param] == 0:
+                del self.live[chunk.param]
+            return data
+
+    return LazyPlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
+
+
+def write_megatron(source: HFCheckpoint, partial: Path) -> dict[str, Any]:
+    """Stream `source` into a torch_dist checkpoint in `partial` (runs in a 1-process worker)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    model, dtype = source.model, source.dtype
+    chunks, pyt_state = chunk_layout(model, dtype)
+    planner = _lazy_planner(model, _HFReader(source), chunks, model.padded_vocab_size(1))
+    save(pyt_state, storage_writer=FileSystemWriter(partial, single_file_per_rank=True, thread_count=1),
+         planner=planner)
+    torch.save({}, partial / "common.pt")  # a model-only checkpoint has no common (non-sharded) state
+    save_config(CheckpointingConfig(sharded_backend="torch_dist", sharded_backend_version=1), str(partial))
+    checkpoint.write_config(partial, model, dtype, source=str(source.folder))
+    checkpoint.copy_assets(source.folder, partial / checkpoint.HF_ASSETS)
+    return {"chunks": len(chunks), "dtype": checkpoint.DTYPE_NAMES[dtype]}
+
+
+
+
+
+
+def _region_planner(regions: dict[str, tuple[str, tuple[int, ...]]]):
+    """A DCP load planner that reads given regions of stored tensors into the state dict's tensors.
+
+    regions: state-dict key -> (checkpoint key, offsets of the region); the region's size is the tensor's.
+    """
+    import dataclasses as dc
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class RegionPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for name, tensor in self.state_dict.items():
+                key, offsets = regions[name]
+                wanted = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.size())
+                for item in create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [wanted]):
+                    dest = MetadataIndex(name, item.dest_index.offset, item.dest_index.index)
+                    items.append(dc.replace(item, dest_index=dest))
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item):
+            # dest_offsets are relative to the requested region, i.e. to our tensor.
+            target = self.state_dict[read_item.dest_index.fqn]
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                target = target.narrow(dim, start, length)
+            return target
+
+    return RegionPlanner()
+
+
+def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype):
+    """Yield (Megatron name, whole tensor) from a torch_dist checkpoint, one parameter in memory at a time.
+
+    Each parameter's chunks are read as regions of the stacked tensors (only those bytes are read) and
+    placed by the same view geometry the writer used: the exact inverse of `write_megatron`.
+    """
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    chunks, _ = chunk_layout(model, dtype)
+    shapes = dict((name, p.shape) for name, p in meta_model(model, dtype).named_parameters())
+    by_param: dict[str, list[Chunk]] = {}
+    for chunk in chunks:
+        by_param.setdefault(chunk.param, []).append(chunk)
+    for name, param_chunks in by_param.items():
+        full = torch.empty(shapes[name], dtype=dtype)
+        state = {f"chunk{i}": torch.empty(c.sizes, dtype=dtype) for i, c in enumerate(param_chunks)}
+        regions = {f"chunk{i}": (c.key, c.offsets) for i, c in enumerate(param_chunks)}
+        load(state, storage_reader=FileSystemReader(str(ckpt)), planner=_region_planner(regions))
+        for i, c in enumerate(param_chunks):
+            full.as_strided(*c.view).copy_(state.pop(f"chunk{i}").reshape(c.view[0]))
+        yield name, full
+
+
+def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+    """Export a torch_dist checkpoint to HF safetensors shards + index in `partial` (1-process worker)."""
+    from safetensors.torch import save_file
+
+    model, dtype = checkpoint.read_config(ckpt)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes, files, weight_map, total = 0, [], {}, 0
+
+    def flush() -> None:
+        nonlocal shard_bytes
+        name = f"model-{len(files) + 1:05d}.safetensors"  # renamed to -of-N below, once N is known
+        save_file(shards[-1], partial / name, metadata={"format": "pt"})
+        files.append(name)
+        shards[-1], shard_bytes = {}, 0
+
+    for name, tensor in iter_megatron_params(ckpt, model, dtype):
+        kind, hf_names = hf_mapping.hf_names(name, model)
+        for hf_name, hf_tensor in zip(hf_names, hf_mapping.to_hf(kind, tensor, model)):
+            size = hf_tensor.numel() * hf_tensor.element_size()
+            if shard_bytes and shard_bytes + size > max_shard_bytes:
+                flush()
+            shards[-1][hf_name] = hf_tensor.contiguous()
+            shard_bytes += size
+            total += size
+            weight_map[hf_name] = len(files)
+    if shards[-1]:
+        flush()
+    final_names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    for old, new in zip(files, final_names):
+        (partial / old).rename(partial / new)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: final_names[v] for k, v in sorted(weight_map.items())}}
+    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    assets = Path(ckpt) / checkpoint.HF_ASSETS
+    copied = checkpoint.copy_assets(assets, partial) if assets.exists() else []
+    source_config = assets / "config.json"
+    config = families.to_hf(model, json.loads(source_config.read_text()) if source_config.exists() else None)
+    config.dtype = dtype
+    config.save_pretrained(partial)  # written after the assets: the config is the checkpoint's own
+    return {"shards": len(files), "tensors": len(weight_map), "bytes": total, "assets": copied}
+
+
+def reshard(src: Path, out: Path, parallel: ParallelConfig, device) -> dict[str, Any]:
+    """Load `src` at this launch's layout and save it from there with Megatron-Core's own save."""
+    from pai_cookbook.core.model import build_model
+
+    model, dtype = checkpoint.read_config(src)
+    chunks = build_model(model, parallel, PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]), device, 0)
+    checkpoint.load(chunks, src)
+    saved_at = layout.record(parallel, torch.distributed.get_world_size())
+    checkpoint.save(chunks, out, model, dtype, assets=src / checkpoint.HF_ASSETS, resharded_from=str(src),
+                    saved_at=saved_at)
+    return {"saved_at": saved_at}
+
+
+@worker.entry(ConvertJob)
+def main(job: ConvertJob) -> dict[str, Any]:
+    import psutil
+
+    with worker.session(job.parallel, seed=0) as device:
+        rss_before_mb = psutil.Process().memory_info().rss / 2**20  # torch + Megatron-Core imported, nothing loaded
+        start = time.perf_counter()
+        src, dst = Path(job.src), Path(job.dst)
+        if job.direction == "hf2mcore":
+            result = write_megatron(inspect_hf(src), dst)
+        elif job.direction == "mcore2hf":
+            result = write_hf(src, dst, job.max_shard_bytes)
+        else:
+            result = reshard(src, dst, job.parallel, device)
+        # ru_maxrss is in KiB on Linux
+        return result | {"seconds": time.perf_counter() - start, "rss_before_mb": rss_before_mb,
+                         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The parity worker: the checkpoint's logits at each layout of a `pai_cookbook.parity.ParityJob`,
+compared on rank 0 with the Hugging Face model's on the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook.core import checkpoint, runtime, worker
+from pai_cookbook.core.config import PrecisionConfig
+from pai_cookbook.core.model import build_model
+from pai_cookbook.parity import ParityJob, compare_logits, hf_logits, token_batch
+
+
+def megatron_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits [batch, seq, padded vocab] on global rank 0 (None elsewhere), any layout."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    device = next(chunks[0].parameters()).device
+    tokens = tokens.to(device)
+    positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+
+    def forward_step(data_iterator, model):
+        output = model(next(data_iterator), positions, attention_mask=None)
+
+        def collect(output_tensor, non_loss_data=False):
+            return gather_from_tensor_model_parallel_region(output_tensor).float().cpu()
+        return output, collect
+
+    with torch.no_grad():
+        collected = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=[iter([tokens]) for _ in chunks] if len(chunks) > 1
+            else iter([tokens]), model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=1,
+            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True,
+            collect_non_loss_data=True)
+    mine = collected[0] if (collected and ps.get_tensor_model_parallel_rank() == 0
+                            and ps.get_data_parallel_rank() == 0) else None
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)  # the last stage's logits reach rank 0
+    found = next(x for x in gathered if x is not None)
+    return found if torch.distributed.get_rank() == 0 else None
+
+
+@worker.entry(ParityJob)
+def main(job: ParityJob) -> dict[str, Any] | None:
+    model, _ = checkpoint.read_config(job.ckpt)
+    tokens = token_batch(Path(job.ckpt) / checkpoint.HF_ASSETS, job.batch, job.seq)
+    reference = hf_logits(job.hf_dir, tokens) if worker.rank() == 0 else None
+    rows = []
+    with worker.session():
+        for parallel, device in zip(job.layouts, runtime.each_layout((p, job.seed) for p in job.layouts)):
+            chunks = build_model(model, parallel, PrecisionConfig(), device, job.seed)
+            checkpoint.load(chunks, job.ckpt)
+            for chunk in chunks:
+                chunk.eval()
+            logits = megatron_logits(chunks, tokens)
+            if reference is not None:
+                rows.append(compare_logits(reference, logits[..., :model.vocab_size], tokens))
+    return {"rows": rows} if worker.rank() == 0 else None
+
+
+if __name__ == "__main__":
+    main()

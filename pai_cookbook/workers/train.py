@@ -1,0 +1,314 @@
+"""The training worker: Megatron DDP + Megatron optimizer + Megatron's pipeline schedules.
+
+The steps are those of Megatron-LM's `run_simple_mcore_train_loop.py`, each a function here:
+`build` (model provider, DDP, optimizer, LR schedule), `forward_step`, `train_step`, `evaluate`;
+saving is `checkpoint.save_training`. Its job is a `RunConfig`, checked by `pai_cookbook.train.run`
+before launch; `main` joins the process group, trains (or continues) and always tears down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook import data, moe
+from pai_cookbook.core import checkpoint, layout, runtime, tokenizer, worker
+from pai_cookbook.core.config import RunConfig
+from pai_cookbook.core.model import build_model, torch_dtype, training_flops_per_token
+from pai_cookbook.core.runtime import DeviceInfo
+
+MAX_SYNTHETIC_STRIDE = 8
+"""Synthetic samples are progressions a, a+b, a+2b, ... (mod vocab) with 1 <= b <= this."""
+
+
+def synthetic_batches(config: RunConfig, step: int, dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's micro-batches of one step: seeded, learnable sequences, identical on every layout.
+
+    Each sample is an arithmetic progression modulo the vocabulary with a random start and stride:
+    after two tokens the rest is predictable, so a model that learns drives the loss from ln(vocab)
+    towards zero. The global batch of step `step` is drawn whole from a generator seeded with
+    (seed, step), then split by DP rank and into micro-batches, so every layout sees the same samples.
+    """
+    data = config.data
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+    start = torch.randint(0, config.model.vocab_size, (data.global_batch_size, 1), generator=generator)
+    stride = torch.randint(1, MAX_SYNTHETIC_STRIDE + 1, (data.global_batch_size, 1), generator=generator)
+    tokens = (start + stride * torch.arange(data.seq_length + 1)) % config.model.vocab_size
+    per_rank = data.global_batch_size // dp_size
+    mine = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return [{"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous(),
+             "loss_mask": torch.ones(mb.shape[0], data.seq_length)} for mb in mine.split(data.micro_batch_size)]
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    # clone: the schedule divides `loss` in place by the number of micro-batches after this returns.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+    """One micro-batch forward; returns per-token losses and the function that reduces them."""
+    device = next(model.parameters()).device
+    batch = next(data_iterator)
+    tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, attention_mask=None, labels=labels)
+    return output, partial(_loss_func, batch["loss_mask"].to(device))
+
+
+def build(config: RunConfig, device: DeviceInfo):
+    """Model chunks wrapped in Megatron DDP, the Megatron optimizer and the LR schedule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = config.optimizer
+    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed, config.memory)
+    tconfig = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               use_distributed_optimizer=opt.use_distributed_optimizer)
+    model = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk) for chunk in chunks]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+                        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+                        clip_grad=opt.clip_grad, bf16=config.precision.dtype == "bf16",
+                        params_dtype=torch_dtype(config.precision),
+                        use_distributed_optimizer=opt.use_distributed_optimizer),
+        model,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if opt.lr_warmup_iters else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
+        lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=config.train_iters,
+        lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
+        wd_incr_steps=config.train_iters, wd_incr_style="constant",
+    )
+    tconfig.grad_scale_func = optimizer.scale_loss
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    return model, optimizer, scheduler
+
+
+def _global_mean_loss(reports: list[dict[str, torch.Tensor]]) -> float:
+    """Mean LM loss of the whole global batch, available on every rank.
+
+    Losses exist on the last pipeline stage only; each DP replica's TP-rank-0 contributes its mean / DP
+    and one all-reduce over the world adds them up.
+    """
+    from megatron.core import parallel_state as ps
+
+    value = torch.zeros(1, dtype=torch.float64)
+    if reports and ps.get_tensor_model_parallel_rank() == 0:
+        mean = torch.stack([r["lm loss"].double().cpu() for r in reports]).mean()
+        value += mean / ps.get_data_parallel_world_size()
+    if torch.cuda.is_available():
+        value = value.cuda()
+    torch.distributed.all_reduce(value)
+    return float(value.item())
+
+
+def micro_batches(config: RunConfig, dataset: Any, step: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of global batch `step`, from the dataset or the synthetic source."""
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    if dataset is None:
+        return synthetic_batches(config, step, dp_rank, dp_size)
+    return data.global_batch(dataset, step, config.data.global_batch_size, config.data.micro_batch_size,
+                             dp_rank, dp_size)
+
+
+def _forward_backward(config: RunConfig, model, batches: list[dict[str, torch.Tensor]], forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    # One iterator per model chunk: with virtual pipeline each chunk consumes the same micro-batches.
+    iterators = [iter(batches) for _ in model]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(batches),
+        seq_length=config.data.seq_length,
+        micro_batch_size=config.data.micro_batch_size,
+        decoder_seq_length=config.data.seq_length,
+        forward_only=forward_only,
+    )
+
+
+def evaluate(config: RunConfig, model, dataset: Any) -> float:
+    """Mean validation loss over config.eval_iters global batches (forward only)."""
+    for chunk in model:
+        chunk.eval()
+    with torch.no_grad():
+        losses = [_global_mean_loss(_forward_backward(config, model, micro_batches(config, dataset, i), True))
+                  for i in range(config.eval_iters)]
+    for chunk in model:
+        chunk.train()
+    return sum(losses) / len(losses)
+
+
+def train_step(config: RunConfig, model, optimizer, scheduler, step: int, dataset: Any = None) -> dict[str, float]:
+    """One optimizer step over the global batch (gradient accumulation over micro-batches)."""
+    batches = micro_batches(config, dataset, step)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = _forward_backward(config, model, batches, forward_only=False)
+    _, grad_norm, _ = optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    scheduler.step(increment=1)
+    return {"loss": _global_mean_loss(reports), "grad_norm": float(grad_norm or 0.0), "lr": float(lr)}
+
+
+
+
+class StepLog:
+    """Per-step figures: tokens/s and MFU on every step, written by rank 0 to run_dir/metrics.jsonl and
+    to TensorBoard (run_dir/tensorboard) when the launcher gave a run folder."""
+
+    def __init__(self, config: RunConfig, device: DeviceInfo, fresh: bool):
+        self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
+        self.flops_per_token = training_flops_per_token(config.model, config.data.seq_length)
+        # The world's peak: every rank measures its own device (and threads), then they are summed.
+        peak = torch.tensor([runtime.measure_matmul_peak(torch_dtype(config.precision))], dtype=torch.float64)
+        torch.distributed.all_reduce(peak.cuda() if device.is_cuda else peak)
+        self.peak_flops = float(peak.item())
+        self.jsonl = self.tensorboard = None
+        run_dir = os.environ.get(worker.RUN_DIR_ENV)
+        if run_dir and worker.rank() == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # a run that starts at step 0 starts the log over; a resumed one continues it
+            self.jsonl = (Path(run_dir) / "metrics.jsonl").open("w" if fresh else "a")
+            self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def throughput(self, seconds: float) -> dict[str, float]:
+        tokens_per_s = self.tokens_per_step / seconds
+        return {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * self.flops_per_token / self.peak_flops}
+
+    def write(self, step: int, figures: dict[str, float]) -> None:
+        if self.jsonl is None:
+            return
+        self.jsonl.write(json.dumps({"step": step} | figures) + "\n")
+        self.jsonl.flush()
+        for name, value in figures.items():
+            if not isinstance(value, (int, float)):  # per-layer router lists stay in metrics.jsonl
+                continue
+            self.tensorboard.add_scalar(f"train/{name}" if name != "valid_loss" else "valid/loss", value, step)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.tensorboard.close()
+
+
+def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | None]:
+    """Resume from save_dir's latest checkpoint, or start from load_dir's weights; returns (step, source)."""
+    ckpt = config.checkpoint
+    modules = [m.module for m in model]
+    latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
+    if latest:
+        return checkpoint.load_training(modules, optimizer, scheduler, latest[0]), str(latest[0])
+    if ckpt.load_dir:
+        checkpoint.load(modules, ckpt.load_dir)
+        optimizer.reload_model_params()  # bf16: refresh the fp32 master copies from the loaded weights
+        return 0, ckpt.load_dir
+    return 0, None
+
+
+def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
+    """Run (or continue) training up to config.train_iters; returns this invocation's history."""
+    model, optimizer, scheduler = build(config, device)
+    first_step, started_from = _restore(config, model, optimizer, scheduler)
+    train_set = valid_set = None
+    if config.data.source == "indexed":
+        train_set, valid_set = data.build_datasets(config, config.eval_iters)
+    ckpt, dtype = config.checkpoint, torch_dtype(config.precision)
+    assets = Path(ckpt.load_dir) / checkpoint.HF_ASSETS if ckpt.load_dir else _dataset_tokenizer(config)
+    tokens_per_step = config.data.global_batch_size * config.data.seq_length
+    history: list[dict[str, float]] = []
+    valid_losses: list[tuple[int, float]] = []
+    saved = None
+    log = StepLog(config, device, fresh=first_step == 0)
+    router = moe.RouterStats([m.module for m in model], config) if config.model.is_moe else None
+    start = time.perf_counter()
+    for step in range(first_step, config.train_iters):
+        step_start = time.perf_counter()
+        history.append(train_step(config, model, optimizer, scheduler, step, train_set))
+        history[-1] |= log.throughput(time.perf_counter() - step_start)
+        if router is not None:
+            history[-1] |= router.step()
+        done = step + 1
+        last = done == config.train_iters
+        if valid_set is not None and config.eval_interval and (done % config.eval_interval == 0 or last):
+            valid_losses.append((done, evaluate(config, model, valid_set)))
+            history[-1]["valid_loss"] = valid_losses[-1][1]
+        if ckpt.save_dir and (last or (ckpt.save_interval and done % ckpt.save_interval == 0)):
+            saved = checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir,
+                                             config.model, dtype,
+                                             layout.record(config.parallel, torch.distributed.get_world_size()),
+                                             keep_last=ckpt.keep_last,
+                                             assets=assets)
+        log.write(done, history[-1])
+        if worker.rank() == 0 and (done % config.log_interval == 0 or last):
+            shown = ("loss", "lr", "tokens_per_s") + (("min_load", "max_load") if router else ())
+            worker.progress(done, config.train_iters, **{k: history[-1][k] for k in shown})
+    log.close()
+    if router is not None:
+        router.close()
+    elapsed = time.perf_counter() - start
+    return {
+        "first_step": first_step,
+        "started_from": started_from,
+        "losses": [h["loss"] for h in history],
+        "grad_norms": [h["grad_norm"] for h in history],
+        "lrs": [h["lr"] for h in history],
+        "valid_losses": valid_losses,
+        "tokens_per_s": tokens_per_step * len(history) / elapsed if history else 0.0,
+        "mfu": [h["mfu"] for h in history],
+        "peak_flops": log.peak_flops,
+        "world_size": torch.distributed.get_world_size(),
+        "device": device.name,
+        "checkpoint": str(saved) if saved else None,
+        # MoE: per step, each layer's expert shares, aux/z-losses and dropped tokens (moe.RouterStats)
+        "router": [{k: h[k] for k in h if k not in _STEP_FIGURES} for h in history] if router else [],
+    }
+
+
+def _dataset_tokenizer(config: RunConfig) -> Path | None:
+    """From scratch: the tokenizer the dataset was prepared with, so checkpoints carry it (inference and
+    export need it). Staged once as save_dir/tokenizer (tokenizer files only: the folder's config.json
+    describes another model); None when it is gone or changed since the dataset was prepared."""
+    ckpt = config.checkpoint
+    if config.data.source != "indexed" or not ckpt.save_dir:
+        return None
+    summary = data.describe(config.data.paths[0])
+    source = Path(summary["tokenizer"])
+    if not source.exists() or tokenizer.fingerprint(source) != summary.get("tokenizer_sha256"):
+        return None
+    staged = Path(ckpt.save_dir) / "tokenizer"
+    if worker.rank() == 0:  # the rank that writes checkpoint assets
+        tokenizer.copy(source, staged)
+    return staged
+
+
+_STEP_FIGURES = {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "valid_loss"}
+
+
+
+@worker.entry(RunConfig)
+def main(config: RunConfig) -> dict[str, Any]:
+    with worker.session(config.parallel, config.seed) as device:
+        return train(config, device)
+
+
+if __name__ == "__main__":
+    main()
