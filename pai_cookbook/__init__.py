@@ -1,1 +1,9 @@
-"""PAI Megatron Cookbook helper package."""
+"""PAI Megatron Cookbook helper package: `core/` (the engine), the recipes, `workers/` (what torchrun runs)."""
+
+import warnings
+
+# Megatron-Core warns at import, once per module, that Transformer Engine and Apex are missing. The
+# environment report (`runtime.environment_report`, notebook 00) says which layers run here, once; in a
+# notebook cell these repeated lines say nothing more. The launcher filters them in its workers likewise.
+for _message in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+    warnings.filterwarnings("ignore", message=_message)

@@ -1,4 +1,4 @@
-"""Text generation from a Megatron-Core checkpoint, and the Hugging Face baseline it is compared with.
+"""Text generation from a Megatron-Core checkpoint (the Hugging Face baseline is `hf_baseline`).
 
     config = GenerationConfig(max_new_tokens=64, top_k=0, top_p=0.9, temperature=0.8)
     rows = generate.generate("ckpt/iter_0000200", ["The capital of France is"], config)["records"]
@@ -23,7 +23,6 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -250,7 +249,8 @@ def completions_markdown(records: Sequence[dict], reference: Sequence[str] | Non
     columns = ["prompt", "completion", "tokens", "finish"] + (["Hugging Face"] if reference else [])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for i, r in enumerate(records):
-        row = [cell(r.get("prompt", str(r.get("messages")))), cell(r["completion"]), str(r["completion_tokens"]),
+        prompt = r["prompt"] if "prompt" in r else r["messages"][-1]["content"]  # a chat: its last turn
+        row = [cell(prompt), cell(r["completion"]), str(r["completion_tokens"]),
                r["finish_reason"]] + ([cell(reference[i])] if reference else [])
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -294,60 +294,6 @@ def generate_file(ckpt: str | Path, input_path: str | Path, output_path: str | P
     output_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result["records"]),
                            encoding="utf-8")
     return result
-
-
-# --------------------------------------------------------------------------------------------------
-# The Hugging Face baseline
-# --------------------------------------------------------------------------------------------------
-def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig) -> dict[str, Any]:
-    """`transformers` `generate` on the same token ids and settings, one prompt at a time (no padding).
-
-    Returns:
-        {"tokens": generated ids per prompt (a final end-of-sequence token dropped, as Megatron-Core
-        does), "tokens_per_s", "seconds"}.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.dtype]
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-    eos = eos_ids(hf_dir, AutoTokenizer.from_pretrained(hf_dir)) + list(config.eos_token_ids)
-    # HF switches top-k off with 0 and top-p off with 1.0 (Megatron-Core: top_p 0.0).
-    decoding = ({"do_sample": False} if config.greedy else
-                {"do_sample": True, "top_k": config.top_k, "top_p": config.top_p or 1.0,
-                 "temperature": config.temperature})
-    outputs, start = [], time.perf_counter()
-    with torch.no_grad():
-        for ids in prompt_ids:
-            out = model.generate(torch.tensor([list(ids)]), max_new_tokens=config.max_new_tokens,
-                                 repetition_penalty=config.repetition_penalty,
-                                 eos_token_id=None if config.ignore_eos else eos,
-                                 pad_token_id=eos[0] if eos else None, **decoding)
-            new = out[0, len(ids):].tolist()
-            outputs.append(new[:-1] if new and new[-1] in eos and not config.ignore_eos else new)
-    seconds = time.perf_counter() - start
-    return {"tokens": outputs, "seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds}
-
-
-def hf_complete(hf_dir: str | Path, prompts: Sequence[str], max_new_tokens: int = 32,
-                min_new_tokens: int = 0) -> list[str]:
-    """Greedy completions of `prompts` by the Hugging Face model in `hf_dir` (fp32, on the CPU).
-
-    min_new_tokens keeps end-of-sequence from ending a completion earlier (tiny demo models stop early).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    completions = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                 do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            completions.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-    return completions
 
 
 # --------------------------------------------------------------------------------------------------

@@ -57,14 +57,6 @@ def compare_logits(hf: torch.Tensor, mcore: torch.Tensor, tokens: torch.Tensor) 
     }
 
 
-def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    with torch.no_grad():
-        return model(tokens).logits.float()
-
-
 def check(hf_dir: str | Path, ckpt: str | Path, parallel: ParallelConfig | None = None, *,
           run_dir: str | Path = "runs/parity", batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ) -> dict[str, Any]:
     """Parity of the checkpoint `ckpt` loaded at layout `parallel` against the HF model in `hf_dir`."""

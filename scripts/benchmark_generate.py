@@ -43,7 +43,7 @@ def hf_batched(hf_dir: Path, prompt_ids: list[list[int]], new_tokens: int) -> fl
 
 
 def main() -> None:
-    from pai_cookbook import convert, generate
+    from pai_cookbook import convert, generate, hf_baseline
     from pai_cookbook.core.config import ParallelConfig
     from pai_cookbook.generate import GenerationConfig
     from pai_cookbook.tiny_models import make_tiny_hf_model
@@ -65,7 +65,7 @@ def main() -> None:
     jobs = [generate.prepare(work / "mcore", records, c, parallel, label) for c, label in
             ((cached, "cached"), (uncached, "uncached"))]
     results = generate.run_jobs(jobs, run_dir=work / "run", show_progress=False)
-    reference = generate.hf_generate(hf, jobs[0].prompt_ids, cached)
+    reference = hf_baseline.hf_generate(hf, jobs[0].prompt_ids, cached)
     batched = hf_batched(hf, jobs[0].prompt_ids, opts.new_tokens)
 
     print(f"\n{opts.batch} prompts x {opts.new_tokens} new tokens, fp32, TP={opts.tp}, {torch.get_num_threads()} "

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from pai_cookbook import generate
+from pai_cookbook import generate, hf_baseline
 from pai_cookbook.core import checkpoint, families, launch
 from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.generate import GenerationConfig
@@ -67,7 +67,7 @@ def first_launch(checkpoints, tmp_path_factory):
 def test_greedy_equals_transformers_at_tp1_and_tp2(family, checkpoints, first_launch):
     hf, _ = checkpoints[family]
     job, _ = first_launch[f"{family} tp1"]
-    reference = generate.hf_generate(hf, job.prompt_ids, GREEDY)["tokens"]
+    reference = hf_baseline.hf_generate(hf, job.prompt_ids, GREEDY)["tokens"]
     assert all(len(t) == NEW_TOKENS for t in reference)
     for tp in (1, 2):
         result = first_launch[f"{family} tp{tp}"][1]
@@ -99,7 +99,7 @@ def test_pipeline_parallel_generation_needs_the_inference_compat_patch(checkpoin
 @pytest.mark.multiproc
 def test_repetition_penalty_equals_transformers(checkpoints, first_launch):
     job, result = first_launch["penalised tp2"]
-    assert result["tokens"] == generate.hf_generate(checkpoints["llama"][0], job.prompt_ids, PENALISED)["tokens"]
+    assert result["tokens"] == hf_baseline.hf_generate(checkpoints["llama"][0], job.prompt_ids, PENALISED)["tokens"]
     assert result["tokens"] != first_launch["llama tp2"][1]["tokens"]  # the penalty changed something
 
 

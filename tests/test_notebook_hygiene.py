@@ -42,3 +42,9 @@ def test_parameters_are_commented_upper_case_constants(notebook):
     assert names and all(n.isupper() for n in names) and "OUTPUT_DIR" in names
     for line in source.splitlines():
         assert "#" in line, f"{path.name}: parameter line without a comment (units, CI vs real value): {line}"
+    # papermill lists the parameters a notebook takes (papermill --help-notebook) only when it can parse
+    # each line: one "=" a line, none in the comment.
+    from papermill.translators import PythonTranslator
+
+    seen = [p.name for p in PythonTranslator.inspect(nb.cells[1])]
+    assert seen == names, f"{path.name}: papermill cannot read {sorted(set(names) - set(seen))}; no '=' in comments"

@@ -34,14 +34,17 @@ import psutil
 from pai_cookbook.core import nodes, runtime, worker
 
 LOG_TAIL_LINES = 40
-# Warnings every CPU worker would print at import, each saying what the environment report already
-# shows (no TE/Apex here) or advising a CUDA setting; kept out of the notebook on the CPU path only.
-CPU_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                       "When using async grad allreduce")
-# Deprecations raised inside Megatron-Core and torch's checkpoint code on every device (Megatron-Core's
-# default cuda_graph_scope; its use of torch DCP's load_state_dict and ShardedTensor): nothing to act on.
-ALWAYS_BENIGN_WARNINGS = ("full scope is deprecated", "`load_state_dict` is deprecated",
-                          "Please use DTensor instead")
+# Warnings every CPU worker would print, advising a CUDA setting; kept out of the notebook on the CPU path only.
+CPU_BENIGN_WARNINGS = ("When using async grad allreduce",)
+# On every device: Megatron-Core's import-time notice that TE/Apex are missing (the environment report
+# says which layers run, once; `pai_cookbook/__init__` filters it in the notebook process too), and
+# deprecations raised inside Megatron-Core and torch's checkpoint code (Megatron-Core's default
+# cuda_graph_scope; its use of torch DCP's load_state_dict and ShardedTensor): nothing to act on.
+# Also Megatron-Core's GPT dataset noting that a tokenizer's pad id equals another special id (SmolLM2's pad
+# is its EOS): the cookbook's samples are packed windows of documents, never padded, so nothing is masked.
+ALWAYS_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                          "full scope is deprecated", "`load_state_dict` is deprecated", "Please use DTensor instead",
+                          "The pad token id in the tokenizer collides")
 TERMINATE_GRACE_S = 5.0
 """Seconds workers get to exit after SIGTERM before SIGKILL."""
 # One entry of torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: ...)".
@@ -97,7 +100,10 @@ def _terminate(proc: subprocess.Popen) -> None:
         with _ignore_gone():
             p.kill()
     psutil.wait_procs(alive, timeout=TERMINATE_GRACE_S)
-    proc.wait()
+    try:
+        proc.wait(timeout=TERMINATE_GRACE_S)  # bounded: a launcher that cleans up must not hang itself
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 class _ignore_gone:
@@ -291,9 +297,9 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
                                 start_new_session=True)  # own process group: a notebook interrupt reaches us only
         reader = threading.Thread(target=_stream, args=(proc, on_line), daemon=True)
-        reader.start()
         started = time.monotonic()
         try:
+            reader.start()  # inside the try: an interrupt from here on ends the workers too
             while proc.poll() is None:
                 if timeout_s is not None and time.monotonic() - started > timeout_s:
                     _terminate(proc)
@@ -304,7 +310,8 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
             _terminate(proc)
             raise
         finally:
-            reader.join(timeout=TERMINATE_GRACE_S)
+            if reader.ident is not None:  # started
+                reader.join(timeout=TERMINATE_GRACE_S)
             progress.close()
 
     if proc.returncode != 0:

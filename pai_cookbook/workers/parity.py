@@ -11,7 +11,8 @@ import torch
 from pai_cookbook.core import checkpoint, runtime, worker
 from pai_cookbook.core.config import PrecisionConfig
 from pai_cookbook.core.model import build_model
-from pai_cookbook.parity import ParityJob, compare_logits, hf_logits, token_batch
+from pai_cookbook.hf_baseline import hf_logits
+from pai_cookbook.parity import ParityJob, compare_logits, token_batch
 
 
 def megatron_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor | None:

