@@ -57,20 +57,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_interrupt_terminates_every_worker(tmp_path):
-    # A notebook's stop button raises KeyboardInterrupt in the kernel: here, SIGINT to a caller process.
+def _launcher_with_hanging_workers(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A caller process whose launch is running 2 workers that hang; returns it and every pid below it."""
     code = (f"from pai_cookbook.core import launch; from tests.workers.launch_probe import ProbeJob; "
-            f"launch.launch(ProbeJob(mode='hang', run_dir={str(tmp_path)!r}), nproc_per_node=2, run_dir={str(tmp_path)!r})")
+            f"launch.launch(ProbeJob(mode='hang', run_dir={str(tmp_path)!r}), nproc_per_node=2, "
+            f"run_dir={str(tmp_path)!r})")
     caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids = _wait_for_pids(tmp_path, 2)
     torchrun = [p for p in psutil.Process(caller.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
     assert torchrun and all(_alive(p) for p in pids)
+    return caller, pids + [torchrun[0].pid]
+
+
+def _assert_none_left(pids: list[int]) -> None:
+    time.sleep(0.5)
+    left = [p for p in pids if _alive(p)]
+    assert not left, f"processes left behind: {left}"
+
+
+def test_interrupt_terminates_every_worker(tmp_path):
+    # A notebook's stop button raises KeyboardInterrupt in the kernel: here, SIGINT to a caller process.
+    caller, pids = _launcher_with_hanging_workers(tmp_path)
     caller.send_signal(signal.SIGINT)
     _, stderr = caller.communicate(timeout=60)
     assert "KeyboardInterrupt" in stderr
-    time.sleep(0.5)
-    left = [p for p in pids + [torchrun[0].pid] if _alive(p)]
-    assert not left, f"processes left behind: {left}"
+    _assert_none_left(pids)
 
 
 def test_timeout_terminates_every_worker(tmp_path):
@@ -128,18 +139,11 @@ def test_cli_runs_the_checks_train_run_does(tmp_path):
 
 def test_sigterm_to_the_launcher_ends_every_worker(tmp_path):
     # A scheduler's cancel, `kill` and `timeout` send SIGTERM: the launcher must take its workers along.
-    code = (f"from pai_cookbook.core import launch; from tests.workers.launch_probe import ProbeJob; "
-            f"launch.launch(ProbeJob(mode='hang', run_dir={str(tmp_path)!r}), nproc_per_node=2, run_dir={str(tmp_path)!r})")
-    caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pids = _wait_for_pids(tmp_path, 2)
-    torchrun = [p for p in psutil.Process(caller.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
-    assert torchrun and all(_alive(p) for p in pids)
+    caller, pids = _launcher_with_hanging_workers(tmp_path)
     caller.send_signal(signal.SIGTERM)
     caller.communicate(timeout=60)
     assert caller.returncode == -signal.SIGTERM  # the signal still ends the process, as it would have
-    time.sleep(0.5)
-    left = [p for p in pids + [torchrun[0].pid] if _alive(p)]
-    assert not left, f"processes left behind: {left}"
+    _assert_none_left(pids)
 
 
 def test_a_full_disk_shows_the_os_error_and_the_failing_rank(tmp_path):
