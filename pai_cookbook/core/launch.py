@@ -237,6 +237,9 @@ def launch(job: worker.Job, *, nproc_per_node: int = 1, run_dir: str | Path = "r
         WorkerError: a worker exited non-zero; names the rank and shows its log tail.
         TimeoutError: timeout_s passed; every worker was terminated.
         KeyboardInterrupt: re-raised after every worker was terminated.
+        Terminated: SIGTERM or SIGHUP arrived; every worker was terminated, then the signal is re-sent
+            to this process with its own handler (by default it ends the process).
+        nodes.NodeError: on a node other than 0 of a multi-node job, node 0 failed or never came.
     """
     kwargs = dict(nproc_per_node=nproc_per_node, run_dir=run_dir, timeout_s=timeout_s, show_progress=show_progress,
                   echo=echo, env=env)
