@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pai_cookbook.core import launch, runtime
+from pai_cookbook.core import launch, runtime, worker
 from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
 from tests.conftest import tiny_run
 from tests.workers.launch_probe import ProbeJob
@@ -28,6 +28,16 @@ def test_returns_rank0_result_and_progress_events(tmp_path, capsys):
     assert "ordinary output line" in capsys.readouterr().out
     # every rank's output is kept in a file, rank 1's too (it is not streamed)
     assert len(list((tmp_path / "logs").glob("*/attempt_0/1/stdout.log"))) == 1
+
+
+def test_an_event_sharing_its_line_with_other_output_is_still_read():
+    # A warning written to stderr can land right after an event on stdout (torchrun merges the two).
+    event = {"event": "progress", "step": 3, "total": 9}
+    mark = worker.PROGRESS_MARK
+    assert launch.split_event(mark + json.dumps(event)) == (event, "")
+    assert launch.split_event(mark + json.dumps(event) + "/x.py:1: FutureWarning: y") == (event, "/x.py:1: FutureWarning: y")
+    assert launch.split_event(mark + '{"event": "progr') == (None, mark + '{"event": "progr')
+    assert launch.split_event("ordinary") == (None, "ordinary")
 
 
 def test_crash_on_rank1_raises_with_rank_and_log_tail(tmp_path):

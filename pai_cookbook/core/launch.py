@@ -41,12 +41,16 @@ CPU_BENIGN_WARNINGS = ("When using async grad allreduce",)
 # deprecations raised inside Megatron-Core and torch's checkpoint code (Megatron-Core's default
 # cuda_graph_scope; its use of torch DCP's load_state_dict and ShardedTensor): nothing to act on.
 # Also Megatron-Core's GPT dataset noting that a tokenizer's pad id equals another special id (SmolLM2's pad
-# is its EOS): the cookbook's samples are packed windows of documents, never padded, so nothing is masked.
+# is its EOS): the cookbook's samples are packed windows of documents, never padded, so nothing is masked;
+# and torch deprecating a collective that Megatron-Core's MoE dispatcher calls.
 ALWAYS_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
                           "full scope is deprecated", "`load_state_dict` is deprecated", "Please use DTensor instead",
-                          "The pad token id in the tokenizer collides")
+                          "The pad token id in the tokenizer collides",
+                          # torch's deprecation of the collective Megatron-Core's MoE dispatcher calls
+                          "`torch.distributed.all_gather_into_tensor` is deprecated")
 TERMINATE_GRACE_S = 5.0
 """Seconds workers get to exit after SIGTERM before SIGKILL."""
+_EVENT_DECODER = json.JSONDecoder()
 # One entry of torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: ...)".
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _RANK_PREFIX = re.compile(r"^\[default\d+\]:")
@@ -177,6 +181,21 @@ class _Progress:
             self.bar.close()
 
 
+def split_event(line: str) -> tuple[dict[str, Any] | None, str]:
+    """(event, the rest of the line) for a line of a worker's output; (None, line) for an ordinary line.
+
+    torchrun tees a rank's stdout and stderr into one stream, so another write (a warning) can land on
+    the same line as an event, after it: the event is the first JSON object after the mark.
+    """
+    if not line.startswith(worker.PROGRESS_MARK):
+        return None, line
+    try:
+        event, end = _EVENT_DECODER.raw_decode(line, len(worker.PROGRESS_MARK))
+    except ValueError:
+        return None, line
+    return event, line[end:].strip()
+
+
 def _stream(proc: subprocess.Popen, on_line: Callable[[str], None]) -> None:
     for raw in proc.stdout:
         on_line(_RANK_PREFIX.sub("", raw.rstrip("\n")))
@@ -289,8 +308,10 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
     output: list[str] = []
 
     def on_line(line: str) -> None:
-        if line.startswith(worker.PROGRESS_MARK):
-            progress.update(json.loads(line[len(worker.PROGRESS_MARK):]))
+        event, line = split_event(line)
+        if event is not None:
+            progress.update(event)
+        if not line:
             return
         output.append(line)
         if echo:
