@@ -216,9 +216,7 @@ def check_output_file(path: Path) -> None:
     """
     if path.is_dir():
         raise ValueError(f"--output {path} is a directory; give a file path such as {path / 'completions.jsonl'}.")
-    folder = path.parent
-    while not folder.exists():  # the nearest existing ancestor must let us create the rest
-        folder = folder.parent
+    folder = checkpoint.nearest_existing(path.parent)  # it must let us create the rest
     if not folder.is_dir():
         raise ValueError(f"--output {path}: {folder} is a file, not a folder; choose another output path.")
     target = path if path.exists() else folder

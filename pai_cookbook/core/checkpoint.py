@@ -41,12 +41,18 @@ def check_writable(out: str | Path, overwrite: bool, how_to_overwrite: str = "ov
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} already holds files; choose another folder or set {how_to_overwrite} "
                               f"to replace it.")
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise PermissionError(f"{out} cannot be written by this user ({parent} is read-only); choose a writable "
-                              f"folder.")
+    # The parent too: the write goes to <out>.partial beside `out` and is renamed into place.
+    read_only = [p for p in (nearest_existing(out.parent), out) if p.exists() and not os.access(p, os.W_OK)]
+    if read_only:
+        raise PermissionError(f"{out} cannot be written by this user ({read_only[0]} is read-only); choose a "
+                              f"writable folder.")
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists: where creating `path` would start."""
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def partial_dir(out: str | Path) -> Path:
@@ -106,13 +112,9 @@ def read_config(ckpt: str | Path) -> tuple[ModelConfig, torch.dtype]:
     return ModelConfig(**data["model"]), {v: k for k, v in DTYPE_NAMES.items()}[data["dtype"]]
 
 
-def copy_assets(src: Path, dst: Path, names: tuple[str, ...] = ASSET_FILES) -> list[str]:
-    """Copy the Hugging Face config and tokenizer files (`names`) that exist in `src` into `dst`."""
-    dst.mkdir(parents=True, exist_ok=True)
-    copied = [name for name in names if (src / name).exists()]
-    for name in copied:
-        shutil.copy2(src / name, dst / name)
-    return copied
+def copy_assets(src: Path, dst: Path) -> list[str]:
+    """Copy the Hugging Face config and tokenizer files that exist in `src` into `dst`."""
+    return tokenizer.copy(src, dst, ASSET_FILES)
 
 
 def load_tokenizer(ckpt: str | Path):

@@ -63,11 +63,12 @@ def load(folder: str | Path, what: str = ""):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def copy(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the tokenizer files that exist in `src` into `dst`; returns their names."""
+def copy(src: str | Path, dst: str | Path, names: tuple[str, ...] = FILES) -> list[str]:
+    """Copy the files of `names` (the tokenizer's, by default) that exist in `src` into `dst`; returns
+    their names. `checkpoint.copy_assets` copies the model config along with them through it."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    copied = [name for name in FILES if (src / name).exists()]
+    copied = [name for name in names if (src / name).exists()]
     for name in copied:
         shutil.copy2(src / name, dst / name)
     return copied
