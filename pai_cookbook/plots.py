@@ -112,3 +112,25 @@ def throughput(speeds: Mapping[str, float], path: str | Path | None = None, ylab
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     return _finish(fig, path)
+
+
+def bits_per_char(rows: Mapping[str, tuple[float, float | None]], reference: float, steps: int,
+                  path: str | Path | None = None, title: str = "Held-back Chinese text"):
+    """Bars of bits per character per initialisation: at step 0 and (where trained) after `steps` steps,
+    with the base model's figure as a dashed line."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    names = list(rows)
+    width = 0.38
+    for k, (label, pick) in enumerate((("step 0", 0), (f"after {steps} steps", 1))):
+        values = [rows[n][pick] for n in names]
+        xs = [i + (k - 0.5) * width for i, v in enumerate(values) if v is not None]
+        bars = ax.bar(xs, [v for v in values if v is not None], width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.axhline(reference, linestyle="--", color="grey", label="base model, old tokenizer")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("bits per character")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _finish(fig, path)

@@ -31,16 +31,22 @@ def randomise_(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
 
 @nodes.node0_only
 def make_tiny_hf_model(family: str, folder: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                       max_shard_size: str = DEFAULT_SHARD_SIZE, **config_overrides) -> Path:
+                       max_shard_size: str = DEFAULT_SHARD_SIZE, tokenizer_dir: str | Path | None = None,
+                       **config_overrides) -> Path:
     """Write a tiny, randomly initialised Hugging Face checkpoint of `family` (with a tokenizer) to `folder`.
 
+    Args:
+        tokenizer_dir: a Hugging Face tokenizer folder to give the model (its vocabulary size with it);
+            None: the cookbook's 256-token tiny tokenizer.
     Returns:
         The folder, loadable with AutoModelForCausalLM / AutoTokenizer and by `pai_cookbook.convert`.
     """
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
-    tiny_tokenizer = tokenizer.tiny()
+    tiny_tokenizer = tokenizer.load(tokenizer_dir) if tokenizer_dir is not None else tokenizer.tiny()
+    if tokenizer_dir is not None:
+        config_overrides.setdefault("vocab_size", len(tiny_tokenizer))
     config = families.tiny_hf_config(family, bos_token_id=tiny_tokenizer.bos_token_id,
                                      eos_token_id=tiny_tokenizer.eos_token_id, **config_overrides)
     torch.manual_seed(seed)

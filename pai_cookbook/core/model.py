@@ -228,11 +228,40 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             vp_stage=vp_stage,
         )
         _params_to(gpt, config.params_dtype)
+        if gpt.post_process:
+            mask_vocab_padding(gpt.output_layer, model.vocab_size)
         if device.is_cuda:
             gpt.cuda(torch.cuda.current_device())
         chunks.append(gpt)
     return chunks
 
+
+def mask_vocab_padding(output_layer: torch.nn.Module, vocab_size: int) -> None:
+    """Keep the output layer's padding rows (ids >= `vocab_size`) out of every softmax.
+
+    Megatron-Core pads the vocabulary to a multiple of 128 x TP and leaves the padding rows' logits in
+    the loss: a zero row gives logit 0, which takes probability mass from real tokens, and how much
+    depends on TP (a 52,000-token vocabulary has 48 padding rows at TP=1 and 176 at TP=2). Filling those
+    logits with the dtype's lowest value gives them probability 0 and gradient 0, so the loss is the
+    same at every TP and equals the Hugging Face model's (which has no padding rows).
+    A no-op hook is not even registered when the vocabulary needs no padding.
+    """
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    local_rows = output_layer.output_size_per_partition
+    if local_rows * tp <= vocab_size:
+        return
+    rank = parallel_state.get_tensor_model_parallel_rank()
+
+    def hook(module, args, output):
+        logits, bias = output
+        width = logits.shape[-1]  # this rank's shard, or the whole padded vocabulary when gathered
+        start = rank * local_rows if width == local_rows else 0
+        ids = torch.arange(start, start + width, device=logits.device)
+        return logits.masked_fill(ids >= vocab_size, torch.finfo(logits.dtype).min), bias
+
+    output_layer.register_forward_hook(hook)
 
 
 def _params_to(module: torch.nn.Module, dtype: torch.dtype) -> None:

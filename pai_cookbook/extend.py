@@ -1,0 +1,369 @@
+"""Vocabulary extension: new tokens learned from your corpus, merged into the base tokenizer, and a
+checkpoint grown to match.
+
+    ext = extend.extend_tokenizer(base_dir, texts, "tok/zh", new_tokens=2000)   # learn + merge + check
+    extend.grow("ckpt/base", "tok/zh", "ckpt/zh", init="mean")                  # embedding + output rows
+    extend.score(["ckpt/base", "ckpt/zh"], {"zh": held_out})                     # bits per character
+
+CLI: `python -m pai_cookbook.extend tokenizer BASE CORPUS OUT --new-tokens N` and
+`python -m pai_cookbook.extend grow CKPT TOKENIZER OUT --init mean` (exit code 2 on bad input).
+
+How the tokenizers are merged is `core.vocabulary`'s subject. A new token's embedding row starts as
+the mean of the rows of the old tokens its text was split into ("天气" = mean("天", "气")); its output
+row likewise (untied models). Then, on text without new tokens, the extended model's logits over the
+old vocabulary equal the old model's, and the new tokens take little probability: each new logit is a
+mean of old logits, far below the top ones in English contexts. `INITS` holds the alternatives for
+comparison. The vocabulary is padded to Megatron-Core's multiple of 128 x TP, and the padding rows
+are kept out of the softmax by the model (`core.model.mask_vocab_padding`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pai_cookbook.core import checkpoint, nodes, tokenizer, vocabulary
+from pai_cookbook.core.config import ConfigError
+from pai_cookbook.core.worker import Job
+
+INITS = ("mean", "hf_mean", "random")
+"""New rows: mean of the sub-token rows; transformers' `resize_token_embeddings(mean_resizing=True)`
+(a sample of N(mean of all rows, 1e-9 x their covariance)); N(0, init_method_std), as a fresh model."""
+EXTENSION_FILE = "pai_cookbook_extension.json"
+"""Written into an extended tokenizer folder: the base it extends, the first new id, each new token's
+old sub-token ids."""
+
+
+@dataclass
+class Extension:
+    """What `extend_tokenizer` made (also the contents of EXTENSION_FILE)."""
+
+    kind: str
+    base: str
+    base_fingerprint: str
+    base_size: int
+    first_new: int
+    size: int
+    requested: int
+    learned: int
+    dropped: list[str] = field(default_factory=list)
+    """New tokens no text of the corpus produced (removed)."""
+    intermediate: int = 0
+    """Kept new tokens that the corpus only ever merges further (BPE needs them to build longer ones)."""
+    sources: list[list[int]] = field(default_factory=list)
+    """Old ids of each new token's text, in new-id order: what the mean initialisation averages."""
+
+    @property
+    def added(self) -> int:
+        return self.size - self.base_size
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "sources"} | {"added": self.added,
+                                                                            "dropped": len(self.dropped)}
+
+
+def read_extension(folder: str | Path) -> Extension:
+    path = Path(folder) / EXTENSION_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{folder} has no {EXTENSION_FILE}: not a tokenizer made by "
+                                f"extend.extend_tokenizer; make one with it first.")
+    return Extension(**json.loads(path.read_text()))
+
+
+def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, new_tokens: int, *,
+                     min_frequency: int = 2, overwrite: bool = False) -> Extension:
+    """Learn up to `new_tokens` tokens from `texts`, merge them into the tokenizer in `base_dir`, check
+    the result and write it as a Hugging Face tokenizer folder `out` (atomically).
+
+    Raises:
+        ConfigError: a tokenizer kind the cookbook cannot extend; a corpus that yields fewer than
+            half the tokens asked for; a new token that spells a special token.
+        FileExistsError: `out` holds files and overwrite is False.
+    """
+    base_dir, out = Path(base_dir), Path(out)
+    kind = vocabulary.kind(base_dir)
+    if new_tokens < 1:
+        raise ConfigError(f"new_tokens must be >= 1, got {new_tokens}.")
+    checkpoint.check_writable(out, overwrite)
+    base = tokenizer.load(base_dir)
+    with checkpoint.writing(out, overwrite) as partial:
+        if kind == "byte_bpe":
+            first, learned, dropped = _extend_byte_bpe(base, base_dir, partial, texts, new_tokens, min_frequency)
+        else:
+            first, learned, dropped = _extend_sentencepiece(base, base_dir, partial, texts, new_tokens)
+        extended = tokenizer.load(partial)
+        _check_specials(base, extended)
+        extension = Extension(kind=kind, base=str(base_dir.resolve()), base_fingerprint=tokenizer.fingerprint(base_dir),
+                              base_size=len(base), first_new=first, size=len(extended), requested=new_tokens,
+                              learned=learned, dropped=dropped,
+                              intermediate=len(vocabulary.reach(extended, texts, first).unreached),
+                              sources=sub_tokens(base, extended, first))
+        (partial / EXTENSION_FILE).write_text(json.dumps(asdict(extension), ensure_ascii=False))
+    return extension
+
+
+def _extend_byte_bpe(base, base_dir: Path, folder: Path, texts: list[str], new_tokens: int,
+                     min_frequency: int) -> tuple[int, int, list[str]]:
+    merges = vocabulary.learn_bpe_merges(base.backend_tokenizer, texts, new_tokens, min_frequency=min_frequency)
+    _check_learned(len(merges.pairs), new_tokens, texts, min_frequency)
+    _check_no_special_spelled(base, [base.backend_tokenizer.decoder.decode([t]) for t in merges.tokens])
+    first = _write_byte_bpe(base_dir, folder, merges.pairs)
+    reach = vocabulary.reach(tokenizer.load(folder), texts, first)
+    pairs, dropped = vocabulary.prune(merges.pairs, [i - first for i in reach.unreached])
+    if dropped:
+        _write_byte_bpe(base_dir, folder, pairs)
+    return first, len(merges.pairs), [merges.tokens[i] for i in dropped]
+
+
+def _extend_sentencepiece(base, base_dir: Path, folder: Path, texts: list[str],
+                          new_tokens: int) -> tuple[int, int, list[str]]:
+    base_bytes = (base_dir / "tokenizer.model").read_bytes()
+    settings = vocabulary.sentencepiece_settings(base_bytes)
+    # Room for the pieces the base already has (bytes, specials, shared ones): a quarter more.
+    size = new_tokens + new_tokens // 4 + 3 + (256 if settings["byte_fallback"] else 0)
+    try:
+        extra = vocabulary.train_sentencepiece(texts, size, settings)
+    except RuntimeError as err:
+        needed = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(err))
+        if needed:  # every character of the corpus (99.95% coverage) must be a piece before any merge
+            raise ConfigError(f"the corpus uses {needed[2]} distinct characters (99.95% coverage), and each must be a "
+                              f"piece: ask for at least {int(needed[2]) - int(needed[1]) + new_tokens} new tokens, or "
+                              f"learn from fewer characters.") from None
+        # "Vocabulary size too high (N). Please set it to a value <= M.": too little text
+        raise ConfigError(f"the corpus ({len(texts)} texts, {sum(map(len, texts))} characters) cannot give "
+                          f"{new_tokens} new pieces ({err}). Give more text or ask for fewer new tokens.") from None
+    pieces = vocabulary.new_pieces(base_bytes, extra)[:new_tokens]
+    _check_learned(len(pieces), new_tokens, texts, 1)
+    _check_no_special_spelled(base, [p.replace("\u2581", " ").strip() for p in pieces])
+    special = {name: value for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+               if isinstance(value := getattr(base, name, None), str)}
+    first = len(vocabulary._proto(base_bytes).pieces)
+    vocabulary.sentencepiece_to_hf(vocabulary.append_pieces(base_bytes, pieces), folder, special)
+    extended = tokenizer.load(folder)
+    unreached = set(extended.convert_ids_to_tokens(vocabulary.reach(extended, texts, first).unreached))
+    kept = vocabulary.prune_pieces(pieces, unreached)
+    if len(kept) < len(pieces):
+        vocabulary.sentencepiece_to_hf(vocabulary.append_pieces(base_bytes, kept), folder, special)
+    tokenizer.copy(base_dir, folder, ("chat_template.jinja",))
+    return first, len(pieces), [p for p in pieces if p not in kept]
+
+
+def _check_learned(learned: int, requested: int, texts: list[str], min_frequency: int) -> None:
+    if learned * 2 < requested:
+        raise ConfigError(f"the corpus ({len(texts)} texts, {sum(map(len, texts))} characters) gives only {learned} "
+                          f"new tokens that occur >= {min_frequency} times, fewer than half of the {requested} asked "
+                          f"for. Give more text (a few MB for thousands of tokens) or ask for at most {learned} new tokens.")
+
+
+def _check_specials(base, extended) -> None:
+    """Special tokens keep their ids in the extended tokenizer."""
+    moved = {t.content: (i, extended.convert_tokens_to_ids(t.content)) for i, t in base.added_tokens_decoder.items()
+             if extended.convert_tokens_to_ids(t.content) != i}
+    if moved:
+        raise ConfigError(f"special tokens would change ids: {moved}; the base tokenizer's added tokens must keep "
+                          f"theirs (report this: the merge should never move them).")
+
+
+def _check_no_special_spelled(base, texts: list[str]) -> None:
+    """No new token may spell a special token: text holding it could not be told from the special token."""
+    specials = {t.content for t in base.added_tokens_decoder.values()}
+    clash = sorted(specials.intersection(texts))
+    if clash:
+        raise ConfigError(f"new token(s) {clash} spell special tokens of the base tokenizer; the corpus contains "
+                          f"that markup as text. Remove it from the corpus (or strip special tokens first).")
+
+
+def _write_byte_bpe(base_dir: Path, folder: Path, pairs: list[tuple[str, str]]) -> int:
+    data = json.loads((base_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    extended, first = vocabulary.extend_bpe_json(data, pairs)
+    tokenizer.copy(base_dir, folder, tuple(n for n in tokenizer.FILES if n not in tokenizer.VOCABULARY_FILES))
+    (folder / "tokenizer.json").write_text(json.dumps(extended, ensure_ascii=False), encoding="utf-8")
+    return first
+
+
+def sub_tokens(base, extended, first: int) -> list[list[int]]:
+    """The base tokenizer's ids for each new token's text: what "mean of sub-tokens" averages.
+
+    The token's text is split by the base's BPE model directly (it lies inside one pre-tokenized word,
+    in the model's own alphabet: byte-level characters, or SentencePiece's "▁" for spaces)."""
+    model = base.backend_tokenizer.model
+    pieces = extended.convert_ids_to_tokens(list(range(first, len(extended))))
+    return [[t.id for t in model.tokenize(piece)] for piece in pieces]
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks of an extended tokenizer (the acceptance list of notebook 02, as figures)
+# --------------------------------------------------------------------------------------------------
+def check_tokenizer(base_dir: str | Path, extended_dir: str | Path, texts: list[str]) -> dict[str, Any]:
+    """Measure what an extension must preserve, on `texts`.
+
+    Returns:
+        old_ids_moved: old ids whose piece changed (must be 0); specials_moved (0);
+        changed_without_new: texts whose extended tokenization has no new token but differs (0);
+        not_concatenation: new tokens whose span is not a run of whole old-token spans (0);
+        roundtrip_failures: texts where decode(encode(x)) != x (0).
+    """
+    base, extended = tokenizer.load(base_dir), tokenizer.load(extended_dir)
+    first = read_extension(extended_dir).first_new
+    old_vocab, new_vocab = base.get_vocab(), extended.get_vocab()
+    moved = sum(1 for piece, i in old_vocab.items() if new_vocab.get(piece) != i)
+    specials = sum(1 for i, t in base.added_tokens_decoder.items() if extended.convert_tokens_to_ids(t.content) != i)
+    changed = spans = roundtrip = 0
+    for text in texts:
+        old = base(text, add_special_tokens=False, return_offsets_mapping=True)
+        new = extended(text, add_special_tokens=False, return_offsets_mapping=True)
+        if not any(i >= first for i in new.input_ids) and new.input_ids != old.input_ids:
+            changed += 1
+        boundaries = {0} | {end for _, end in old.offset_mapping} | {start for start, _ in old.offset_mapping}
+        spans += sum(1 for i, (start, end) in zip(new.input_ids, new.offset_mapping)
+                     if i >= first and not (start in boundaries and end in boundaries))
+        roundtrip += extended.decode(new.input_ids) != text
+    return {"texts": len(texts), "old_ids_moved": moved, "specials_moved": specials, "changed_without_new": changed,
+            "not_concatenation": spans, "roundtrip_failures": roundtrip}
+
+
+def compression(tokenizer_dir: str | Path, texts: list[str]) -> float:
+    """Tokens per character of a tokenizer on `texts` (lower is better)."""
+    hf = tokenizer.load(tokenizer_dir)
+    tokens = sum(len(ids) for ids in hf(texts, add_special_tokens=False).input_ids)
+    return tokens / sum(len(t) for t in texts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: grow, score
+# --------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class GrowJob(Job):
+    """The growth worker's job: a checkpoint, the larger vocabulary, the new rows' initialisation."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.grow"
+
+    src: str
+    dst: str
+    assets: str
+    """Folder with the new tokenizer files and the updated config.json (saved as the new hf_assets/)."""
+    vocab_size: int
+    sources: list[list[int]]
+    init: str = "mean"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise ConfigError(f"init {self.init!r} is not one of {INITS}.")
+
+
+@nodes.node0_only
+def grow(ckpt: str | Path, tokenizer_dir: str | Path, out: str | Path, *, init: str = "mean", seed: int = 0,
+         overwrite: bool = False, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """Grow a cookbook checkpoint to an extended tokenizer's vocabulary and save it (with that tokenizer)
+    at `out`.
+
+    Raises:
+        ConfigError: the checkpoint's tokenizer is not the one the extension was made from, or its
+            vocabulary size is not that tokenizer's; an unknown `init`.
+    """
+    from pai_cookbook.core import launch
+
+    if init not in INITS:
+        raise ConfigError(f"init {init!r} is not one of {INITS}.")
+    model, _ = checkpoint.read_config(ckpt)
+    extension = read_extension(tokenizer_dir)
+    assets = Path(ckpt) / checkpoint.HF_ASSETS
+    found = tokenizer.fingerprint(assets)
+    if found != extension.base_fingerprint:
+        raise ConfigError(f"checkpoint {ckpt} carries a different tokenizer from the one {tokenizer_dir} extends "
+                          f"({extension.base}); extend the checkpoint's own tokenizer ({assets}) instead.")
+    if model.vocab_size != extension.base_size:
+        raise ConfigError(f"checkpoint {ckpt} has vocab_size {model.vocab_size}, but its tokenizer has "
+                          f"{extension.base_size} tokens; the extension's new ids would not follow the model's "
+                          f"rows. Only checkpoints whose vocab_size is the tokenizer's length can be grown.")
+    checkpoint.check_writable(out, overwrite)
+    out = Path(out)
+    run_dir = Path(run_dir or out.with_name(out.name + ".logs"))
+    staged = run_dir / "assets"
+    checkpoint.copy_assets(assets, staged)
+    tokenizer.copy(tokenizer_dir, staged, tokenizer.FILES + (EXTENSION_FILE,))
+    config = json.loads((staged / "config.json").read_text()) if (staged / "config.json").exists() else None
+    if config is not None:
+        config["vocab_size"] = extension.size
+        (staged / "config.json").write_text(json.dumps(config, indent=2))
+    job = GrowJob(src=str(Path(ckpt).resolve()), dst=str(out.resolve()), assets=str(staged.resolve()),
+                  vocab_size=extension.size, sources=extension.sources, init=init, seed=seed)
+    result = launch.launch(job, run_dir=run_dir, echo=False, show_progress=False)
+    return {k: v for k, v in result.items() if k != "events"}
+
+
+@dataclass(kw_only=True)
+class ScoreJob(Job):
+    """The scoring worker's job: checkpoints, named text sets, and (base, extended, text set) pairs."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.score"
+
+    checkpoints: list[str]
+    texts: dict[str, list[str]]
+    pairs: list[list[str]] = field(default_factory=list)
+    batch: int = 8
+
+
+@nodes.node0_only
+def score(checkpoints: list[str | Path], texts: dict[str, list[str]], *, pairs: list[tuple[str, str, str]] = (),
+          batch: int = 8, run_dir: str | Path = "runs/score") -> dict[str, Any]:
+    """Bits per character of each checkpoint on each named text set (each under its own tokenizer), and
+    for each (base, extended, text set) pair the extended model's logits against the base's.
+
+    Returns:
+        {"bits_per_char": {ckpt: {text set: bits}}, "pairs": [{max_abs_diff_old_entries, kl, new_mass,
+        padding_mass, ...}]}
+    """
+    from pai_cookbook.core import launch
+
+    for ckpt in checkpoints:
+        checkpoint.read_config(ckpt)
+    for base, extended, name in pairs:
+        if name not in texts:
+            raise ConfigError(f"pair ({base}, {extended}) names text set {name!r}; known: {sorted(texts)}.")
+    job = ScoreJob(checkpoints=[str(c) for c in checkpoints], texts=texts,
+                   pairs=[[str(a), str(b), name] for a, b, name in pairs], batch=batch)
+    result = launch.launch(job, run_dir=run_dir, echo=False, show_progress=False)
+    return {k: v for k, v in result.items() if k != "events"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI for batch jobs: learn + merge a tokenizer, or grow a checkpoint (exit code 2 on bad input)."""
+    from pai_cookbook import data
+
+    parser = argparse.ArgumentParser(prog="python -m pai_cookbook.extend", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    learn = commands.add_parser("tokenizer", help="learn new tokens from a corpus and merge them into BASE")
+    learn.add_argument("base", type=Path, help="Hugging Face tokenizer folder (or model folder)")
+    learn.add_argument("corpus", type=Path, nargs="+", help=".txt (a document per line) or .jsonl files")
+    learn.add_argument("out", type=Path)
+    learn.add_argument("--new-tokens", type=int, required=True)
+    learn.add_argument("--overwrite", action="store_true")
+    grow_cmd = commands.add_parser("grow", help="grow a cookbook checkpoint to an extended tokenizer")
+    grow_cmd.add_argument("ckpt", type=Path)
+    grow_cmd.add_argument("tokenizer", type=Path)
+    grow_cmd.add_argument("out", type=Path)
+    grow_cmd.add_argument("--init", choices=INITS, default="mean")
+    grow_cmd.add_argument("--overwrite", action="store_true")
+    opts = parser.parse_args(argv)
+    try:
+        if opts.command == "tokenizer":
+            texts = [text for path in opts.corpus for text in data.read_documents(path)]
+            result = extend_tokenizer(opts.base, texts, opts.out, opts.new_tokens, overwrite=opts.overwrite).summary()
+        else:
+            result = grow(opts.ckpt, opts.tokenizer, opts.out, init=opts.init, overwrite=opts.overwrite)
+    except (ConfigError, FileNotFoundError, FileExistsError, PermissionError, data.DataError) as err:
+        print(f"pai_cookbook.extend: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
