@@ -93,22 +93,23 @@ def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, ne
     base = tokenizer.load(base_dir)
     with checkpoint.writing(out, overwrite) as partial:
         if kind == "byte_bpe":
-            first, learned, dropped = _extend_byte_bpe(base, base_dir, partial, texts, new_tokens, min_frequency)
+            first, learned, dropped, intermediate = _extend_byte_bpe(base, base_dir, partial, texts, new_tokens,
+                                                                     min_frequency)
         else:
-            first, learned, dropped = _extend_sentencepiece(base, base_dir, partial, texts, new_tokens)
+            first, learned, dropped, intermediate = _extend_sentencepiece(base, base_dir, partial, texts, new_tokens)
         extended = tokenizer.load(partial)
         _check_specials(base, extended)
         extension = Extension(kind=kind, base=str(base_dir.resolve()), base_fingerprint=tokenizer.fingerprint(base_dir),
                               base_size=len(base), first_new=first, size=len(extended), requested=new_tokens,
                               learned=learned, dropped=dropped,
-                              intermediate=len(vocabulary.reach(extended, texts, first).unreached),
+                              intermediate=intermediate,
                               sources=sub_tokens(base, extended, first))
         (partial / EXTENSION_FILE).write_text(json.dumps(asdict(extension), ensure_ascii=False))
     return extension
 
 
 def _extend_byte_bpe(base, base_dir: Path, folder: Path, texts: list[str], new_tokens: int,
-                     min_frequency: int) -> tuple[int, int, list[str]]:
+                     min_frequency: int) -> tuple[int, int, list[str], int]:
     merges = vocabulary.learn_bpe_merges(base.backend_tokenizer, texts, new_tokens, min_frequency=min_frequency)
     _check_learned(len(merges.pairs), new_tokens, texts, min_frequency)
     _check_no_special_spelled(base, [base.backend_tokenizer.decoder.decode([t]) for t in merges.tokens])
@@ -117,11 +118,13 @@ def _extend_byte_bpe(base, base_dir: Path, folder: Path, texts: list[str], new_t
     pairs, dropped = vocabulary.prune(merges.pairs, [i - first for i in reach.unreached])
     if dropped:
         _write_byte_bpe(base_dir, folder, pairs)
-    return first, len(merges.pairs), [merges.tokens[i] for i in dropped]
+    # A dropped token was never formed on the corpus (had it been, a produced token would be built from it),
+    # so dropping it changes no tokenization there: the unreached tokens left are the intermediate ones.
+    return first, len(merges.pairs), [merges.tokens[i] for i in dropped], len(reach.unreached) - len(dropped)
 
 
 def _extend_sentencepiece(base, base_dir: Path, folder: Path, texts: list[str],
-                          new_tokens: int) -> tuple[int, int, list[str]]:
+                          new_tokens: int) -> tuple[int, int, list[str], int]:
     base_bytes = (base_dir / "tokenizer.model").read_bytes()
     settings = vocabulary.sentencepiece_settings(base_bytes)
     # Room for the pieces the base already has (bytes, specials, shared ones): a quarter more.
@@ -149,8 +152,9 @@ def _extend_sentencepiece(base, base_dir: Path, folder: Path, texts: list[str],
     kept = vocabulary.prune_pieces(pieces, unreached)
     if len(kept) < len(pieces):
         vocabulary.sentencepiece_to_hf(vocabulary.append_pieces(base_bytes, kept), folder, special)
+        unreached = vocabulary.reach(tokenizer.load(folder), texts, first).unreached  # pieces were removed
     tokenizer.copy(base_dir, folder, ("chat_template.jinja",))
-    return first, len(pieces), [p for p in pieces if p not in kept]
+    return first, len(pieces), [p for p in pieces if p not in kept], len(unreached)
 
 
 def _check_learned(learned: int, requested: int, texts: list[str], min_frequency: int) -> None:
@@ -160,10 +164,15 @@ def _check_learned(learned: int, requested: int, texts: list[str], min_frequency
                           f"for. Give more text (a few MB for thousands of tokens) or ask for at most {learned} new tokens.")
 
 
+def moved_specials(base, extended) -> dict[str, tuple[int, int]]:
+    """Special tokens of `base` whose id differs in `extended`: text -> (old id, new id)."""
+    return {t.content: (i, extended.convert_tokens_to_ids(t.content)) for i, t in base.added_tokens_decoder.items()
+            if extended.convert_tokens_to_ids(t.content) != i}
+
+
 def _check_specials(base, extended) -> None:
     """Special tokens keep their ids in the extended tokenizer."""
-    moved = {t.content: (i, extended.convert_tokens_to_ids(t.content)) for i, t in base.added_tokens_decoder.items()
-             if extended.convert_tokens_to_ids(t.content) != i}
+    moved = moved_specials(base, extended)
     if moved:
         raise ConfigError(f"special tokens would change ids: {moved}; the base tokenizer's added tokens must keep "
                           f"theirs (report this: the merge should never move them).")
@@ -212,7 +221,7 @@ def check_tokenizer(base_dir: str | Path, extended_dir: str | Path, texts: list[
     first = read_extension(extended_dir).first_new
     old_vocab, new_vocab = base.get_vocab(), extended.get_vocab()
     moved = sum(1 for piece, i in old_vocab.items() if new_vocab.get(piece) != i)
-    specials = sum(1 for i, t in base.added_tokens_decoder.items() if extended.convert_tokens_to_ids(t.content) != i)
+    specials = len(moved_specials(base, extended))
     changed = spans = roundtrip = 0
     for text in texts:
         old = base(text, add_special_tokens=False, return_offsets_mapping=True)
