@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a parameter (Python literal)")
     opts = parser.parse_args(argv)
     params = {name: _literal(value) for name, value in opts.p}
-    summary = {}
+    summary_path = opts.out / "summary.json"
+    # merged into an earlier summary of the same folder: runs of one notebook at a time add up
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     for notebook in notebooks(opts.only):
         start = time.perf_counter()
         print(f"== {notebook.name}", flush=True)
@@ -69,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "metrics": json.loads(metrics_path.read_text()) if metrics_path.exists() else None,
                                   "figures": sorted(p.name for p in output_dir.glob("*.png"))}
         print(json.dumps(summary[notebook.stem], indent=2), flush=True)
-    (opts.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"executed {len(summary)} notebook(s); copies, figures and metrics in {opts.out.resolve()}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    summary_path.write_text(json.dumps(summary, indent=2))
+    print(f"executed {len(notebooks(opts.only))} notebook(s); copies, figures and metrics in {opts.out.resolve()}")
     return 0
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11) and install the cookbook with its notebook and test extras, pinned in
-# pyproject.toml. Idempotent: a second run only checks that everything is installed.
-# On a CPU machine torch==2.13.0 resolves to the CPU wheel; on a GPU machine to the CUDA build.
+# Create .venv (Python 3.11) and install the cookbook with its notebook and test extras at the exact versions
+# of ci/constraints.txt (pyproject.toml holds the ranges). Idempotent: a second run only checks that everything
+# is installed. On a CPU machine torch==2.13.0 resolves to the CPU wheel on disk; on a GPU machine that already
+# has torch, use ci/gpu.sh instead (it keeps the machine's torch).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -14,7 +15,7 @@ if [ -z "$PYTHON" ]; then
   done
 fi
 if [ -z "$PYTHON" ]; then
-  echo "setup_env: Python 3.11 is required (megatron-core 0.16.1 is the newest release for it); set PYTHON=/path/to/python3.11" >&2
+  echo "setup_env: CI's environment is Python 3.11 (ci/constraints.txt was resolved for it); set PYTHON=/path/to/python3.11" >&2
   exit 1
 fi
 if [ ! -x .venv/bin/python ]; then
@@ -22,6 +23,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 # PIPESTATUS: fail on pip's exit code, not grep's (grep only drops this machine's local-index notices).
-.venv/bin/python -m pip install --quiet -e ".[notebooks,test]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install --quiet -c ci/constraints.txt -e ".[notebooks,test]" 2>&1 | grep -v "^WARNING: Location" || true
 test "${PIPESTATUS[0]}" -eq 0
 .venv/bin/python -W ignore -c "import torch, megatron.core, transformers, papermill; print(f'setup_env: torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')"

@@ -17,17 +17,20 @@ from pai_cookbook.core.tokenizer import eos_ids
 from pai_cookbook.generate import GenerationConfig
 
 
-def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> torch.Tensor:
+    """transformers' logits for `tokens`, computed in `dtype` on `device`, returned in fp32 on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
     with torch.no_grad():
-        return model(tokens).logits.float()
+        return model(tokens.to(device)).logits.float().cpu()
 
 
 # --------------------------------------------------------------------------------------------------
-def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig) -> dict[str, Any]:
-    """`transformers` `generate` on the same token ids and settings, one prompt at a time (no padding).
+def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig,
+                device: str = "cpu") -> dict[str, Any]:
+    """`transformers` `generate` on the same token ids and settings, one prompt at a time (no padding), on `device`.
 
     Returns:
         {"tokens": generated ids per prompt (a final end-of-sequence token dropped, as Megatron-Core
@@ -36,7 +39,7 @@ def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.dtype]
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
     eos = eos_ids(hf_dir, AutoTokenizer.from_pretrained(hf_dir)) + list(config.eos_token_ids)
     # HF switches top-k off with 0 and top-p off with 1.0 (Megatron-Core: top_p 0.0).
     decoding = ({"do_sample": False} if config.greedy else
@@ -45,7 +48,7 @@ def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config:
     outputs, start = [], time.perf_counter()
     with torch.no_grad():
         for ids in prompt_ids:
-            out = model.generate(torch.tensor([list(ids)]), max_new_tokens=config.max_new_tokens,
+            out = model.generate(torch.tensor([list(ids)], device=device), max_new_tokens=config.max_new_tokens,
                                  repetition_penalty=config.repetition_penalty,
                                  eos_token_id=None if config.ignore_eos else eos,
                                  pad_token_id=eos[0] if eos else None, **decoding)

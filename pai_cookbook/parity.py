@@ -8,14 +8,14 @@ absolute difference, argmax agreement, and each side's next-token loss on the ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from pai_cookbook.core import checkpoint, layout, runtime
-from pai_cookbook.core.config import ParallelConfig
+from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
 from pai_cookbook.core.tokenizer import TOKENIZER_CORPUS
 from pai_cookbook.core.worker import Job
 
@@ -58,16 +58,22 @@ def compare_logits(hf: torch.Tensor, mcore: torch.Tensor, tokens: torch.Tensor) 
 
 
 def check(hf_dir: str | Path, ckpt: str | Path, parallel: ParallelConfig | None = None, *,
-          run_dir: str | Path = "runs/parity", batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ) -> dict[str, Any]:
+          run_dir: str | Path = "runs/parity", batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ,
+          precision: PrecisionConfig | None = None) -> dict[str, Any]:
     """Parity of the checkpoint `ckpt` loaded at layout `parallel` against the HF model in `hf_dir`."""
-    return check_layouts(hf_dir, ckpt, [parallel or ParallelConfig()], run_dir=run_dir, batch=batch, seq=seq)[0]
+    return check_layouts(hf_dir, ckpt, [parallel or ParallelConfig()], run_dir=run_dir, batch=batch, seq=seq,
+                         precision=precision)[0]
 
 
 def check_layouts(hf_dir: str | Path, ckpt: str | Path, layouts: list[ParallelConfig], *,
                   run_dir: str | Path = "runs/parity", batch: int = DEFAULT_BATCH,
-                  seq: int = DEFAULT_SEQ) -> list[dict[str, Any]]:
+                  seq: int = DEFAULT_SEQ, precision: PrecisionConfig | None = None) -> list[dict[str, Any]]:
     """Parity at several layouts in one torchrun launch: Megatron-Core's parallel state is rebuilt per
     layout inside one process group, and the Hugging Face logits are computed once.
+
+    `precision` is the Megatron-Core side's (default fp32); the reference is always transformers in fp32,
+    and in a lower precision the rows also carry transformers' own error in it (`hf_low_precision_max_abs_diff`),
+    the yardstick for the Megatron-Core error.
 
     Runs the smallest world that holds every layout (the lcm of `layout.world_size`); every layout is
     checked against the model and that world before anything starts.
@@ -80,7 +86,8 @@ def check_layouts(hf_dir: str | Path, ckpt: str | Path, layouts: list[ParallelCo
     world = math.lcm(*(layout.world_size(p) for p in layouts))
     for parallel in layouts:
         layout.check(model, parallel, world, purpose="load", device=runtime.detect_device())
-    job = ParityJob(hf_dir=str(hf_dir), ckpt=str(ckpt), layouts=list(layouts), batch=batch, seq=seq)
+    job = ParityJob(hf_dir=str(hf_dir), ckpt=str(ckpt), layouts=list(layouts), batch=batch, seq=seq,
+                    precision=precision or PrecisionConfig())
     result = launch.launch(job, nproc_per_node=world, run_dir=run_dir, echo=False, show_progress=False)
     return [row | {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
                    "ep": p.expert_model_parallel_size, "processes": world}
@@ -99,3 +106,4 @@ class ParityJob(Job):
     batch: int = DEFAULT_BATCH
     seq: int = DEFAULT_SEQ
     seed: int = 1234
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 
 from pai_cookbook.core import checkpoint, runtime, worker
-from pai_cookbook.core.config import PrecisionConfig
-from pai_cookbook.core.model import build_model
+from pai_cookbook.core.model import build_model, torch_dtype
 from pai_cookbook.hf_baseline import hf_logits
 from pai_cookbook.parity import ParityJob, compare_logits, token_batch
 
@@ -51,16 +50,22 @@ def main(job: ParityJob) -> dict[str, Any] | None:
     model, _ = checkpoint.read_config(job.ckpt)
     tokens = token_batch(Path(job.ckpt) / checkpoint.HF_ASSETS, job.batch, job.seq)
     reference = hf_logits(job.hf_dir, tokens) if worker.rank() == 0 else None
+    dtype = torch_dtype(job.precision)
+    own_error = {}
+    if reference is not None and dtype != torch.float32:
+        # transformers' own error in this dtype (on this machine's device): the yardstick for Megatron-Core's
+        hf_low = hf_logits(job.hf_dir, tokens, dtype, "cuda" if torch.cuda.is_available() else "cpu")
+        own_error = {"hf_low_precision_max_abs_diff": float((hf_low - reference).abs().max())}
     rows = []
     with worker.session():
         for parallel, device in zip(job.layouts, runtime.each_layout((p, job.seed) for p in job.layouts)):
-            chunks = build_model(model, parallel, PrecisionConfig(), device, job.seed)
+            chunks = build_model(model, parallel, job.precision, device, job.seed)
             checkpoint.load(chunks, job.ckpt)
             for chunk in chunks:
                 chunk.eval()
             logits = megatron_logits(chunks, tokens)
             if reference is not None:
-                rows.append(compare_logits(reference, logits[..., :model.vocab_size], tokens))
+                rows.append(compare_logits(reference, logits[..., :model.vocab_size], tokens) | own_error)
     return {"rows": rows} if worker.rank() == 0 else None
 
 

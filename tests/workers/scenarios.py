@@ -6,6 +6,7 @@ Job: Scenario(config, scenario, layouts)
   param_counts build the model of config.model and count its parameters over all ranks
   layouts      train once per config in `layouts`, rebuilding Megatron-Core's parallel state for each
                inside one process group; returns each history
+  module_types build the model of config and list the class names of its modules (which layers a device gets)
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
 patch out, which is how tests/test_compat.py shows each patch is needed.
 """
@@ -58,6 +59,11 @@ def param_counts(config: RunConfig, device) -> dict:
     return {"params": int(total.item()), "padded_vocab_size": padded}
 
 
+def module_types(config: RunConfig, device) -> dict:
+    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
+    return {"types": sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()})}
+
+
 def layouts(configs: list[RunConfig]) -> dict:
     devices = runtime.each_layout((c.parallel, c.seed) for c in configs)
     return {"runs": [train(config, device) for config, device in zip(configs, devices)]}
@@ -87,6 +93,8 @@ def main(job: Scenario) -> dict:
             return rng(config)
         if job.scenario == "param_counts":
             return param_counts(config, device)
+        if job.scenario == "module_types":
+            return module_types(config, device)
         return train(config, device)
 
 

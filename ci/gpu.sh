@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU tier in one command, for a machine that already has a CUDA build of torch (PAI-DSW/DLC, NGC images):
+#
+#   bash ci/gpu.sh [OUT]            # OUT defaults to outputs-gpu
+#   WHEELS=/path/to/wheels bash ci/gpu.sh   # a machine that cannot download: pip takes everything from there
+#   PYTHON=/path/to/python bash ci/gpu.sh   # default: python3
+#
+# 1. installs the cookbook into that Python without replacing its torch (a constraint pins the installed
+#    version; pip refuses rather than swap it) and prints the versions it runs on;
+# 2. runs `pytest -m gpu` (tests/test_gpu.py); the figures go to OUT/gpu_results.json, pass/fail to
+#    OUT/gpu_junit.xml;
+# 3. executes the notebooks on the GPUs: 03 in bf16, data parallel over every GPU; the others with their own
+#    2-way layouts (TP/PP/EP 2) when there are 2 GPUs or more. NCCL runs one process per GPU, so on a
+#    single GPU only 03 runs. OUT/summary.json gathers every notebook's minutes and metrics.
+# Exit status: non-zero if the install, any test or any notebook fails.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python3}"
+out="${1:-outputs-gpu}"
+mkdir -p "$out"
+
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+if [ "$gpus" -eq 0 ]; then
+  echo "gpu.sh: torch in $PYTHON sees no CUDA device; this tier needs one (the CPU tiers are bash ci/test.sh)" >&2
+  exit 1
+fi
+torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__)')
+constraint="$out/keep-torch.txt"
+echo "torch==$torch_version" > "$constraint"
+source_args=()
+if [ -n "${WHEELS:-}" ]; then
+  source_args=(--no-index --find-links "$WHEELS")
+fi
+"$PYTHON" -m pip install --quiet "${source_args[@]}" -c "$constraint" -e ".[notebooks,test]"
+"$PYTHON" -W ignore -c "
+import torch, megatron.core, transformers
+from pai_cookbook.core import runtime
+d = runtime.detect_device()
+print(f'gpu.sh: {d.name} x{d.count}, compute capability {d.compute_capability}, torch {torch.__version__} '
+      f'(CUDA {torch.version.cuda}), megatron-core {megatron.core.__version__}, transformers {transformers.__version__}, '
+      f'Transformer Engine: {d.has_transformer_engine}, flash-attn: {d.has_flash_attn}')"
+after=$("$PYTHON" -c 'import torch; print(torch.__version__)')
+if [ "$after" != "$torch_version" ]; then
+  echo "gpu.sh: the install replaced torch $torch_version with $after" >&2
+  exit 1
+fi
+
+status=0
+PAI_COOKBOOK_GPU_RESULTS="$(cd "$out" && pwd)/gpu_results.json" \
+  "$PYTHON" -m pytest tests -m gpu -q -rs --timeout 1200 --junitxml "$out/gpu_junit.xml" || status=$?
+
+# 03: data parallel over every GPU in bf16 (4 samples per GPU per micro-batch, one micro-batch per step)
+"$PYTHON" ci/run_notebooks.py --out "$out" --only 03 -p PRECISION bf16 -p NPROC "$gpus" \
+  -p GLOBAL_BATCH_SIZE $((4 * gpus)) || status=$?
+if [ "$gpus" -ge 2 ]; then
+  for notebook in 00 01 02 05 07; do
+    "$PYTHON" ci/run_notebooks.py --out "$out" --only "$notebook" || status=$?
+  done
+else
+  echo "gpu.sh: one GPU: notebooks 00 01 02 05 07 (2-process layouts) need 2 GPUs; not run" >&2
+fi
+echo "gpu.sh: results in $out (gpu_results.json, gpu_junit.xml, executed notebooks, summary.json); exit $status"
+exit "$status"

@@ -1,0 +1,75 @@
+"""The cookbook installs beside the torch a GPU image already has, and does not replace it.
+
+GPU images (PAI, NGC) ship Python 3.12 with a CUDA build of torch. pip's own resolver decides, from the
+cookbook's real metadata, what `pip install -e .` would change. It runs here in a fresh Python 3.12 virtual
+environment holding a stub torch: a dist-info folder that declares one torch version and nothing else.
+That is honest for this question because the resolver reads only installed metadata, and cheap (no 5 GB
+CUDA wheel per CI run); the full install and the fast tier on a real torch 2.11.0+cu130 ran once, recorded
+in docs/installing.md. The control, a torch older than the cookbook's floor, must come out replaced: the
+check can fail.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _python312() -> str | None:
+    """A working Python 3.12 (pyenv's shims answer for versions they do not activate, so each is run)."""
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    for candidate in ["python3.12", *map(str, sorted(pyenv.glob("versions/3.12*/bin/python3.12")))]:
+        try:
+            if subprocess.run([candidate, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
+                              capture_output=True, timeout=30).returncode == 0:
+                return candidate
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
+
+
+PYTHON312 = _python312()
+
+
+def _stub_torch(site: Path, version: str) -> None:
+    for old in site.glob("torch-*.dist-info"):
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    info = site / f"torch-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "RECORD").write_text("")
+
+
+def _would_install(python: Path, report: Path) -> dict[str, str]:
+    """name -> version of everything `pip install -e .` would install or replace (the extras hold nothing that
+    depends on torch; leaving them out halves the resolution, about 30 s with pip's cache warm)."""
+    done = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
+                           "-e", str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {item["metadata"]["name"].lower(): item["metadata"]["version"]
+            for item in json.loads(report.read_text())["install"]}
+
+
+@pytest.mark.skipif(PYTHON312 is None, reason="no Python 3.12 on this machine (GPU images' Python)")
+def test_install_keeps_the_torch_a_gpu_image_has(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([PYTHON312, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # An NGC container's pre-release build of the floor release: the lowest torch the cookbook keeps (PyPI's
+    # 2.11.0+cu130, what the lent GPU machines have, sorts above it).
+    _stub_torch(site, "2.11.0a0+6c3e8d5.nv26.02")
+    plan = _would_install(python, tmp_path / "report.json")
+    assert "torch" not in plan, f"installing beside the image's torch would replace it with {plan['torch']}"
+    assert plan["megatron-core"].startswith("0.16.") and "pai-cookbook" in plan, plan
+    _stub_torch(site, "2.5.1")
+    assert "torch" in _would_install(python, tmp_path / "report.json"), "a torch below the floor was kept"
+
