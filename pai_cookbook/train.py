@@ -92,7 +92,8 @@ def history(run_dir: str | Path) -> dict[str, Any]:
     A step logged twice (a launch killed after logging it but before its checkpoint, then resumed)
     keeps its last record: the one the checkpoints continue from.
     Returns:
-        {"steps", "losses", "valid_losses" ([(step, loss)]), "tokens_per_s", "mfu"}, in step order.
+        {"steps", "losses", "valid_losses" ([(step, loss)]), "tokens_per_s", "mfu"}, in step order; with
+        emulated FP8 also "fp8": per step, per linear and operand, amax, scale, overflow and underflow.
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
@@ -105,7 +106,8 @@ def history(run_dir: str | Path) -> dict[str, Any]:
     records = [by_step[step] for step in sorted(by_step)]
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
             "valid_losses": [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r],
-            "tokens_per_s": [r["tokens_per_s"] for r in records], "mfu": [r["mfu"] for r in records]}
+            "tokens_per_s": [r["tokens_per_s"] for r in records], "mfu": [r["mfu"] for r in records]} | (
+        {"fp8": [r["fp8"] for r in records]} if records and "fp8" in records[0] else {})
 
 
 def main(argv: list[str] | None = None) -> int:

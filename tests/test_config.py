@@ -8,6 +8,7 @@ from pai_cookbook.core import families, runtime
 from pai_cookbook.core.config import (
     ConfigError,
     DataConfig,
+    FP8Config,
     MemoryConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -52,10 +53,21 @@ BAD_LAYOUTS = [
         model=families.tiny(num_layers=4), data=DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=2),
         parallel=ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)), 2, CPU,
      r"interleaved schedule needs micro-batches per step \(1\) divisible by PP=2"),
-    ("FP8 on CPU", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8="delayed")), 1, CPU,
-     r"fp8='delayed' needs FP8 tensor cores.*found CPU.*dtype='bf16' with fp8=None"),
-    ("FP8 on Ampere", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8="tensorwise")), 1, A100,
-     r"needs FP8 tensor cores \(compute capability >= 9.0, Hopper\), found A100"),
+    ("TE FP8 on CPU", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(backend="te"))), 1, CPU,
+     r"backend='te' needs Transformer Engine on a GPU of compute capability >= 8.9.*found CPU.*backend='emulated'"),
+    ("TE FP8 on Ampere", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(backend="te"))), 1, A100,
+     r"compute capability >= 8.9 \(Ada, Hopper\); found A100"),
+    ("TE FP8 without TE", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(backend="te"))), 1,
+     dataclasses.replace(H100, has_transformer_engine=False), r"found H100 without Transformer Engine"),
+    ("MXFP8 on Hopper", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(recipe="mxfp8"))), 1,
+     H100, r"recipe='mxfp8' needs Blackwell \(compute capability >= 10.0\)"),
+    ("MXFP8 on CPU", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(recipe="mxfp8"))), 1,
+     CPU, r"recipe='mxfp8' needs Blackwell.*emulated backend covers delayed, tensorwise and blockwise"),
+    ("first/last layers bf16 leaving no FP8 layer", lambda: run(precision=PrecisionConfig(
+        dtype="bf16", fp8=FP8Config(recipe="tensorwise", first_last_layers_bf16=True))), 1, CPU,
+     r"keeps 2 of the model's 2 layers in BF16: none would run in FP8"),
+    ("emulated FP8 without FP8 wgrad", lambda: run(precision=PrecisionConfig(
+        dtype="bf16", fp8=FP8Config(wgrad=False))), 1, CPU, r"wgrad=False .* needs backend='te'"),
     ("fp16 on CPU", lambda: run(precision=PrecisionConfig(dtype="fp16")), 1, CPU, r"dtype='fp16' needs a GPU"),
     ("flex dispatcher on CPU", lambda: run(model=families.tiny("mixtral", moe_token_dispatcher_type="flex")),
      1, CPU, r"'flex' needs DeepEP"),
@@ -102,7 +114,13 @@ BAD_FIELDS = [
      r"num_attention_heads 4 is not divisible by num_query_groups 3"),
     ("min_lr above lr", lambda: OptimizerConfig(lr=1e-4, min_lr=1e-3),
      r"min_lr 0.001 must lie in \[0, lr=0.0001\]"),
-    ("fp8 with fp32", lambda: PrecisionConfig(dtype="fp32", fp8="delayed"), r"set dtype='bf16'"),
+    ("fp8 with fp16", lambda: PrecisionConfig(dtype="fp16", fp8=FP8Config()), r"set dtype='bf16'"),
+    ("fp8 as a string", lambda: PrecisionConfig(dtype="bf16", fp8="delayed"), r"fp8 must be an FP8Config"),
+    ("first/last layers bf16 with delayed scaling", lambda: FP8Config(first_last_layers_bf16=True),
+     r"first_last_layers_bf16 cannot be combined with delayed scaling"),
+    ("negative fp8 margin", lambda: FP8Config(margin=-1), r"margin -1 must be >= 0"),
+    ("warmup as long as the run", lambda: run(train_iters=2, optimizer=OptimizerConfig(lr_warmup_iters=2)),
+     r"lr_warmup_iters 2 must be below train_iters 2"),
     ("unknown recompute module", lambda: MemoryConfig(recompute_modules=["attention"]),
      r"recompute_modules \['attention'\] are not among"),
 ]
@@ -126,7 +144,10 @@ def test_good_layouts_pass():
     run().validate(1, CPU)
     run(parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)).validate(2, CPU)
     run("mixtral", parallel=ParallelConfig(expert_model_parallel_size=2)).validate(2, CPU)
-    run(precision=PrecisionConfig(dtype="bf16", fp8="delayed")).validate(1, H100)
+    run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config())).validate(1, H100)
+    run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config())).validate(1, CPU)  # auto: emulated
+    assert FP8Config().resolve_backend(H100) == "te" and FP8Config().resolve_backend(CPU) == "emulated"
+    assert FP8Config(backend="emulated").resolve_backend(H100) == "emulated"
     run(model=families.tiny(num_layers=4), parallel=ParallelConfig(
         pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)).validate(2, CPU)
 

@@ -21,13 +21,14 @@ from pai_cookbook.core import layout
 from pai_cookbook.core.model_config import ConfigError, ModelConfig, _positive, _require
 from pai_cookbook.core.worker import Job
 
-__all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "MemoryConfig", "ModelConfig", "OptimizerConfig",
+__all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "FP8Config", "MemoryConfig", "ModelConfig", "OptimizerConfig",
            "ParallelConfig", "PrecisionConfig", "RunConfig", "with_token_budget"]
 
 DType = Literal["fp32", "bf16", "fp16"]
 FP8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
-# Hopper (sm_90) is the first architecture with FP8 tensor cores.
-FP8_MIN_COMPUTE_CAPABILITY = (9, 0)
+# Ada (sm_89) and Hopper (sm_90) are the first architectures with FP8 tensor cores; MXFP8 needs Blackwell.
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+MXFP8_MIN_COMPUTE_CAPABILITY = (10, 0)
 
 
 @dataclass(kw_only=True)
@@ -84,21 +85,83 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
+class FP8Config:
+    """FP8 GEMMs: the seed's `--fp8-hybrid --fp8-amax-compute-algo max --fp8-amax-history-len 1024` map one to
+    one onto `FP8Config(format="hybrid", amax_compute_algo="max", amax_history_len=1024)`.
+
+    Embedding and output layer always stay in the higher precision (as in Megatron-Core).
+    """
+
+    recipe: FP8Recipe = "delayed"
+    """delayed (amax history), tensorwise (current scaling), blockwise (1x128 / 128x128 blocks), mxfp8 (Blackwell)."""
+    format: Literal["hybrid", "e4m3"] = "hybrid"
+    """hybrid: e4m3 forward, e5m2 gradients (the usual choice); e4m3: e4m3 everywhere."""
+    amax_history_len: int = 1024
+    """delayed: steps of amax history a scale is computed from."""
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """delayed: the history's maximum or its most recent entry."""
+    margin: int = 0
+    """delayed and tensorwise: the scale is divided by 2**margin (headroom against growing values)."""
+    first_last_layers_bf16: bool = False
+    """Keep the first and last transformer layers out of FP8 (not with delayed scaling, as in Megatron-Core)."""
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    wgrad: bool = True
+    """FP8 weight-gradient GEMM; False computes it in the higher precision (Transformer Engine only)."""
+    backend: Literal["auto", "te", "emulated"] = "auto"
+    """auto: Transformer Engine on a GPU of compute capability >= 8.9 with TE importable, else emulated
+    (core/fp8.py: FP8 rounding and range by quantize/dequantize, GEMMs in fp32; labelled so in every report)."""
+
+    def __post_init__(self) -> None:
+        _require(self.recipe in typing.get_args(FP8Recipe),
+                 f"fp8 recipe {self.recipe!r} is not one of {typing.get_args(FP8Recipe)}.")
+        _require(self.format in ("hybrid", "e4m3"), f"fp8 format {self.format!r} is not 'hybrid' or 'e4m3'.")
+        _require(self.amax_compute_algo in ("max", "most_recent"),
+                 f"amax_compute_algo {self.amax_compute_algo!r} is not 'max' or 'most_recent'.")
+        _require(self.backend in ("auto", "te", "emulated"), f"fp8 backend {self.backend!r} is not auto, te or emulated.")
+        _positive(self, "amax_history_len")
+        _require(self.margin >= 0, f"margin {self.margin} must be >= 0 (the scale is divided by 2**margin).")
+        _require(not (self.first_last_layers_bf16 and self.recipe == "delayed"),
+                 "first_last_layers_bf16 cannot be combined with delayed scaling (Megatron-Core refuses it too); "
+                 "use recipe='tensorwise' or 'blockwise', or first_last_layers_bf16=False.")
+
+    def resolve_backend(self, device: Any) -> str:
+        """'te' or 'emulated' on `device` (a runtime.DeviceInfo), or ConfigError saying why neither can run."""
+        cap = device.compute_capability or (0, 0)
+        te_ok = device.is_cuda and device.has_transformer_engine and cap >= FP8_MIN_COMPUTE_CAPABILITY
+        if self.recipe == "mxfp8":
+            _require(device.is_cuda and device.has_transformer_engine and cap >= MXFP8_MIN_COMPUTE_CAPABILITY,
+                     f"recipe='mxfp8' needs Blackwell (compute capability >= 10.0) with Transformer Engine; found "
+                     f"{device.name}; the emulated backend covers delayed, tensorwise and blockwise.")
+            return "te"
+        if self.backend == "te" or (self.backend == "auto" and te_ok):
+            _require(te_ok, f"backend='te' needs Transformer Engine on a GPU of compute capability >= 8.9 (Ada, Hopper); "
+                            f"found {device.name}" + ("" if not device.is_cuda or device.has_transformer_engine else
+                                                      " without Transformer Engine (pip install -e '.[gpu]')") +
+                     "; use backend='emulated' (FP8 numerics emulated, GEMMs in fp32) or 'auto'.")
+            return "te"
+        _require(self.wgrad, "wgrad=False (a higher-precision weight-gradient GEMM) needs backend='te'; the emulated "
+                             "backend quantizes every GEMM of the linear layer; set wgrad=True.")
+        return "emulated"
+
+
+@dataclass(kw_only=True)
 class PrecisionConfig:
     """Numeric formats for parameters, activations and GEMMs."""
 
     dtype: DType = "fp32"
     """Parameter and activation dtype; bf16 keeps fp32 master weights in the optimizer."""
-    fp8: FP8Recipe | None = None
-    """FP8 GEMM scaling recipe (Transformer Engine, Hopper or newer); None disables FP8."""
+    fp8: FP8Config | None = None
+    """FP8 GEMMs (FP8Config); None disables FP8."""
 
     def __post_init__(self) -> None:
         _require(self.dtype in typing.get_args(DType),
                  f"dtype {self.dtype!r} is not one of {typing.get_args(DType)}.")
-        _require(self.fp8 is None or self.fp8 in typing.get_args(FP8Recipe),
-                 f"fp8 recipe {self.fp8!r} is not one of {typing.get_args(FP8Recipe)} (or None).")
-        _require(self.fp8 is None or self.dtype == "bf16",
-                 f"fp8={self.fp8!r} runs the non-GEMM parts in bf16; set dtype='bf16' (got {self.dtype!r}).")
+        _require(self.fp8 is None or isinstance(self.fp8, FP8Config),
+                 f"fp8 must be an FP8Config (e.g. FP8Config(recipe='delayed')) or None, got {self.fp8!r}.")
+        # bf16 is the usual partner; fp32 isolates FP8's own effect (no bf16 rounding elsewhere): both run
+        _require(self.fp8 is None or self.dtype in ("bf16", "fp32"),
+                 f"fp8 runs the non-GEMM parts in bf16 (or fp32); set dtype='bf16' (got {self.dtype!r}).")
 
 
 RecomputeModule = Literal["core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_experts"]
@@ -230,8 +293,9 @@ class RunConfig(Job):
 
     def __post_init__(self) -> None:
         _positive(self, "train_iters", "log_interval", "eval_iters")
-        _require(self.optimizer.lr_warmup_iters <= self.train_iters,
-                 f"lr_warmup_iters {self.optimizer.lr_warmup_iters} exceeds train_iters {self.train_iters}.")
+        _require(self.optimizer.lr_warmup_iters < self.train_iters,
+                 f"lr_warmup_iters {self.optimizer.lr_warmup_iters} must be below train_iters {self.train_iters} "
+                 f"(the cosine decay runs from the end of warmup to the last step); shorten the warmup.")
         _require(self.memory.recompute_granularity != "full" or
                  self.model.num_layers % self.memory.recompute_num_layers == 0 or
                  self.memory.recompute_method == "block",
@@ -270,12 +334,15 @@ class RunConfig(Job):
                      f"PP={pp}; raise global_batch_size to a multiple of {micro_x_dp * pp}.")
         if device is not None:
             if self.precision.fp8 is not None:
-                cap = device.compute_capability
-                _require(device.is_cuda and cap is not None and cap >= FP8_MIN_COMPUTE_CAPABILITY,
-                         f"fp8={self.precision.fp8!r} needs FP8 tensor cores (compute capability >= 9.0, "
-                         f"Hopper), found {device.name}; on this machine run dtype='bf16' with fp8=None.")
+                self.precision.fp8.resolve_backend(device)
             _require(self.precision.dtype != "fp16" or device.is_cuda,
                      "dtype='fp16' needs a GPU (CPU kernels lack half-precision GEMMs); use 'bf16' or 'fp32'.")
+        fp8 = self.precision.fp8
+        if fp8 is not None and fp8.first_last_layers_bf16:
+            kept = fp8.num_layers_at_start_in_bf16 + fp8.num_layers_at_end_in_bf16
+            _require(kept < self.model.num_layers,
+                     f"first_last_layers_bf16 keeps {kept} of the model's {self.model.num_layers} layers in BF16: none "
+                     f"would run in FP8; lower num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16.")
 
     def check(self, world_size: int, device: Any) -> None:
         self.validate(world_size, device)

@@ -96,8 +96,15 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
             moe_grouped_gemm=_grouped_gemm(model, device),
             moe_permute_fusion=fused,
         )
-    if precision.fp8 is not None:
-        kwargs.update(fp8="hybrid", fp8_recipe=precision.fp8)
+    if precision.fp8 is not None and precision.fp8.resolve_backend(device) == "te":
+        fp8 = precision.fp8
+        kwargs.update(fp8=fp8.format, fp8_recipe=fp8.recipe, fp8_margin=fp8.margin,
+                      fp8_amax_history_len=fp8.amax_history_len, fp8_amax_compute_algo=fp8.amax_compute_algo,
+                      fp8_wgrad=fp8.wgrad, first_last_layers_bf16=fp8.first_last_layers_bf16,
+                      num_layers_at_start_in_bf16=fp8.num_layers_at_start_in_bf16,
+                      num_layers_at_end_in_bf16=fp8.num_layers_at_end_in_bf16)
+    # The emulated backend (core/fp8.py) leaves Megatron-Core's fp8 fields off: the layer spec's linears
+    # carry the FP8 numerics instead (`layer_spec` reads `config.cookbook_fp8`).
     return TransformerConfig(**kwargs)
 
 
@@ -164,13 +171,27 @@ def _seeded_experts_class(base):
 
 
 def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | None = None):
-    """Transformer Engine spec on CUDA with TE, Megatron-Core's local spec otherwise.
+    """Transformer Engine spec on CUDA with TE, Megatron-Core's local spec otherwise (and with emulated FP8,
+    whose linears are the local ones with FP8 numerics: core/fp8.py).
 
     Layers are swapped for `SeededTransformerLayer` (same parameters and forward, seeded init).
     """
+    use_te = device.is_cuda and device.has_transformer_engine
+    fp8 = getattr(config, "cookbook_fp8", None)
+    emulated_fp8 = fp8 is not None and fp8.resolve_backend(device) == "emulated"
+    if emulated_fp8:
+        use_te = False  # the emulated FP8 linears are Megatron-Core's local ones
+    spec = _layer_spec(model, config, device, vp_stage, use_te)
+    if emulated_fp8:
+        from pai_cookbook.core import fp8 as fp8_numerics
+
+        fp8_numerics.swap_linears(spec)
+    return spec
+
+
+def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | None, use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    use_te = device.is_cuda and device.has_transformer_engine
     seeded = _seeded_layer_class()
     if model.is_moe:
         # The block spec places MoE and dense layers by moe_layer_freq.
@@ -206,6 +227,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
 
     config = transformer_config(model, parallel, precision, device, memory)
     config.init_seed = seed  # read by SeededTransformerLayer
+    config.cookbook_fp8 = precision.fp8  # read by layer_spec and the emulated FP8 linears
     vpp = parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
@@ -233,6 +255,12 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
         if device.is_cuda:
             gpt.cuda(torch.cuda.current_device())
         chunks.append(gpt)
+    fp8 = precision.fp8
+    if fp8 is not None and fp8.first_last_layers_bf16 and fp8.resolve_backend(device) == "emulated":
+        from pai_cookbook.core import fp8 as fp8_numerics
+
+        fp8_numerics.keep_layers_in_bf16(chunks, fp8.num_layers_at_start_in_bf16, fp8.num_layers_at_end_in_bf16,
+                                         model.num_layers)
     return chunks
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pai_cookbook import data, moe
-from pai_cookbook.core import checkpoint, layout, runtime, tokenizer, worker
+from pai_cookbook.core import checkpoint, fp8, layout, runtime, tokenizer, worker
 from pai_cookbook.core.config import RunConfig
 from pai_cookbook.core.model import build_model, torch_dtype, training_flops_per_token
 from pai_cookbook.core.runtime import DeviceInfo
@@ -239,6 +239,7 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
     saved = None
     log = StepLog(config, device, fresh=first_step == 0)
     router = moe.RouterStats([m.module for m in model], config) if config.model.is_moe else None
+    fp8_backend = config.precision.fp8.resolve_backend(device) if config.precision.fp8 is not None else None
     start = time.perf_counter()
     for step in range(first_step, config.train_iters):
         step_start = time.perf_counter()
@@ -246,11 +247,15 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
         history[-1] |= log.throughput(time.perf_counter() - step_start)
         if router is not None:
             history[-1] |= router.step()
+        if fp8_backend == "emulated":  # per linear and operand: amax, scale, overflow and underflow fractions
+            history[-1]["fp8"] = fp8.collect([m.module for m in model])
         done = step + 1
         last = done == config.train_iters
         if valid_set is not None and config.eval_interval and (done % config.eval_interval == 0 or last):
             valid_losses.append((done, evaluate(config, model, valid_set)))
             history[-1]["valid_loss"] = valid_losses[-1][1]
+            if fp8_backend == "emulated":
+                fp8.collect([m.module for m in model])  # validation's quantizations are not the next step's
         if ckpt.save_dir and (last or (ckpt.save_interval and done % ckpt.save_interval == 0)):
             saved = checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir,
                                              config.model, dtype,
@@ -274,6 +279,8 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
         "valid_losses": valid_losses,
         "tokens_per_s": tokens_per_step * len(history) / elapsed if history else 0.0,
         "mfu": [h["mfu"] for h in history],
+        "fp8_backend": fp8_backend,  # "emulated": FP8 numerics by quantize/dequantize, GEMMs in fp32
+        "fp8": [h["fp8"] for h in history if "fp8" in h],
         "peak_flops": log.peak_flops,
         "world_size": torch.distributed.get_world_size(),
         "device": device.name,
