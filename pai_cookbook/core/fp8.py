@@ -189,22 +189,22 @@ class EmulatedGemm:
         return out
 
 
-def _reduce_max(t: torch.Tensor) -> None:
+def _all_reduce(t: torch.Tensor, group_of, op=torch.distributed.ReduceOp.SUM) -> None:
+    """All-reduce `t` in place over `group_of(parallel_state)`; nothing outside a distributed run."""
     from megatron.core import parallel_state
 
     if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_amax_reduction_group(with_context_parallel=True)
+        group = group_of(parallel_state)
         if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+            torch.distributed.all_reduce(t, op=op, group=group)
+
+
+def _reduce_max(t: torch.Tensor) -> None:
+    _all_reduce(t, lambda ps: ps.get_amax_reduction_group(with_context_parallel=True), torch.distributed.ReduceOp.MAX)
 
 
 def _reduce_sum_tp(t: torch.Tensor) -> None:
-    from megatron.core import parallel_state
-
-    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_tensor_model_parallel_group()
-        if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(t, group=group)
+    _all_reduce(t, lambda ps: ps.get_tensor_model_parallel_group())
 
 
 class _QuantizeOperand(torch.autograd.Function):
@@ -277,7 +277,7 @@ def swap_linears(spec) -> None:
             if node.module in swapped:
                 node.module = swapped[node.module]
             walk(node.submodules, seen)
-        elif isinstance(node, type) and node in swapped:
+        elif isinstance(node, type):  # a class is a leaf (a dataclass *class* is not a submodules instance)
             return
         elif hasattr(node, "__dataclass_fields__"):
             for name in node.__dataclass_fields__:
