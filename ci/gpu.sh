@@ -9,7 +9,8 @@
 #    version; pip refuses rather than swap it) and prints the versions it runs on;
 # 2. runs `pytest -m gpu` (tests/test_gpu.py); the figures go to OUT/gpu_results.json, pass/fail to
 #    OUT/gpu_junit.xml;
-# 3. executes the notebooks on the GPUs: 03 in bf16, data parallel over every GPU; the others with their own
+# 3. executes the notebooks on the GPUs: 03 in bf16, data parallel over every GPU; 04 in bf16 around the FP8
+#    GEMMs (Transformer Engine on compute capability 8.9+, else emulated) on one GPU; the others with their own
 #    2-way layouts (TP/PP/EP 2) when there are 2 GPUs or more. NCCL runs one process per GPU, so on a
 #    single GPU only 03 runs. OUT/summary.json gathers every notebook's minutes and metrics.
 # Exit status: non-zero if the install, any test or any notebook fails.
@@ -52,6 +53,8 @@ PAI_COOKBOOK_GPU_RESULTS="$(cd "$out" && pwd)/gpu_results.json" \
 # 03: data parallel over every GPU in bf16 (4 samples per GPU per micro-batch, one micro-batch per step)
 "$PYTHON" ci/run_notebooks.py --out "$out" --only 03 -p PRECISION bf16 -p NPROC "$gpus" \
   -p GLOBAL_BATCH_SIZE $((4 * gpus)) || status=$?
+# 04: bf16 around FP8, as Pai-Megatron-Patch's scripts run it (one process: the runs are small, the comparison is the point)
+"$PYTHON" ci/run_notebooks.py --out "$out" --only 04 -p DTYPE bf16 || status=$?
 if [ "$gpus" -ge 2 ]; then
   for notebook in 00 01 02 05 07; do
     "$PYTHON" ci/run_notebooks.py --out "$out" --only "$notebook" || status=$?

@@ -6,9 +6,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
-def _finish(fig, path: str | Path | None):
-    """Tighten the layout and, when a path is given, save the figure there as PNG."""
-    fig.tight_layout()
+def _finish(fig, path: str | Path | None, tight: bool = True):
+    """Tighten the layout (unless the figure has its own) and, when a path is given, save it there as PNG."""
+    if tight:
+        fig.tight_layout()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
@@ -134,3 +135,112 @@ def bits_per_char(rows: Mapping[str, tuple[float, float | None]], reference: flo
     ax.set_title(title)
     ax.legend(fontsize=8)
     return _finish(fig, path)
+
+
+def _smooth(values: Sequence[float], window: int):
+    """Trailing moving average (the first points average what exists so far)."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=float)
+    sums = np.cumsum(np.insert(values, 0, 0.0))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (sums[ends] - sums[starts]) / (ends - starts)
+
+
+def fp8_convergence(band: Mapping, runs: Mapping[str, Sequence[float]], path: str | Path | None = None,
+                    window: int = 20, relative_bound: float = 0.005, baseline: str = "BF16",
+                    title: str = "FP8 against the BF16 seed band"):
+    """Top: loss (moving average over `window` steps) of each run over the baseline seeds' min-max band.
+    Bottom: each run's gap to the baseline mean, over the seeds' own gaps and +-`relative_bound`; a run that
+    leaves the panel is marked at its edge with its final gap.
+
+    band: `fp8.seed_band(...)`; runs: name -> per-step losses (e.g. a setting's mean over seeds).
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    seeds = np.stack([_smooth(c, window) for c in band["curves"].T])  # [seeds, steps]
+    mean = seeds.mean(axis=0)
+    steps = np.arange(1, seeds.shape[1] + 1)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.2, 6.4), sharex=True, height_ratios=[3, 2])
+    top.fill_between(steps, seeds.min(axis=0), seeds.max(axis=0), color="0.8",
+                     label=f"{baseline}, {len(seeds)} seeds")
+    bottom.fill_between(steps, (seeds - mean).min(axis=0), (seeds - mean).max(axis=0), color="0.8",
+                        label=f"{baseline} seeds")
+    # the gap panel's scale is the band's: a run far outside it would flatten every other line to zero
+    limit = 2.5 * max(float(np.abs(seeds - mean).max()), relative_bound * float(mean.max()))
+    for i, (name, losses) in enumerate(runs.items()):
+        smooth = _smooth(losses, window)
+        style = dict(color=f"C{i}", linewidth=1.4, linestyle=("-", "--", "-.", ":")[i % 4])
+        top.plot(steps[:len(smooth)], smooth, label=name, **style)
+        gap = smooth - mean[:len(smooth)]
+        bottom.plot(steps[:len(smooth)], np.clip(gap, -limit, limit), label=name, **style)
+        if abs(gap[-1]) > limit:
+            end = (steps[len(gap) - 1], np.sign(gap[-1]) * limit)
+            bottom.annotate(f"{name}: {gap[-1]:+.2f} at the end, off the scale", end,
+                            xytext=(-8, -12 if gap[-1] > 0 else 6), textcoords="offset points", ha="right",
+                            fontsize=8, color=f"C{i}")
+    for sign in (1, -1):
+        bottom.plot(steps, sign * relative_bound * mean, "k:", linewidth=1,
+                    label=f"+-{relative_bound:.1%} of {baseline}" if sign > 0 else None)
+    bottom.set_ylim(-limit * 1.05, limit * 1.05)
+    top.set_ylabel(f"loss ({window}-step mean)")
+    top.set_title(title)
+    bottom.set_ylabel(f"gap to {baseline} mean")
+    bottom.set_xlabel("step")
+    top.legend(fontsize=8, loc="upper right")
+    bottom.legend(fontsize=7, loc="lower left", ncols=2)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    return _finish(fig, path)
+
+
+def fp8_scaling(histories: Mapping[str, Sequence[Mapping]], linear: str, path: str | Path | None = None,
+                title: str | None = None):
+    """amax (top) and scale (bottom) of one linear's three operands (input, weight, output gradient) over
+    the steps, one line per run; log scale. histories: name -> a result's "fp8" list."""
+    import matplotlib.pyplot as plt
+
+    roles = ("input", "weight", "grad")
+    fig, axes = plt.subplots(2, 3, figsize=(9.6, 5.2), sharex=True)
+    for i, (name, history) in enumerate(histories.items()):
+        for j, role in enumerate(roles):
+            for row, figure in enumerate(("amax", "scale")):
+                values = [step[linear][role][figure] for step in history]
+                axes[row, j].plot(range(1, len(values) + 1), values, color=f"C{i}", linewidth=1.2, label=name)
+    for j, role in enumerate(roles):
+        axes[0, j].set_title("output gradient" if role == "grad" else role)
+        axes[1, j].set_xlabel("step")
+    axes[0, 0].set_ylabel("amax")
+    axes[1, 0].set_ylabel("scale")
+    for ax in axes.flat:
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0, 2].legend(fontsize=8)
+    fig.suptitle(title or f"Scaling of {linear}")
+    return _finish(fig, path)
+
+
+def fp8_heatmap(histories: Mapping[str, Sequence[Mapping]], role: str = "grad", figure: str = "underflow",
+                path: str | Path | None = None):
+    """Fraction of one operand's values that under- or overflowed, per linear (rows) and step (columns),
+    one panel per run, on one colour scale from 0 to 1."""
+    import matplotlib.pyplot as plt
+
+    from pai_cookbook import fp8
+
+    fig, axes = plt.subplots(len(histories), 1, figsize=(8.0, 1.2 + 1.6 * len(histories)), squeeze=False,
+                             layout="constrained")  # room for the shared colour bar
+    image = None
+    for ax, (name, history) in zip(axes[:, 0], histories.items()):
+        names, values = fp8.statistics(history, role, figure)
+        image = ax.imshow(values.T, aspect="auto", cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest",
+                          extent=(0.5, len(values) + 0.5, len(names) - 0.5, -0.5))
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_title(name, fontsize=9)
+    axes[-1, 0].set_xlabel("step")
+    operand = "output gradient" if role == "grad" else role
+    fig.colorbar(image, ax=axes[:, 0].tolist(), label=f"{operand} {figure} fraction")
+    fig.suptitle(f"{operand.capitalize()} values that {'rounded to zero' if figure == 'underflow' else 'saturated'}")
+    return _finish(fig, path, tight=False)

@@ -2,6 +2,7 @@
 
     result = train.run(config, nproc_per_node=2)      # a RunConfig; returns this launch's history
     curve = train.history(run_dir)                    # every step so far, across resumed launches
+    results = train.sweep({"bf16": a, "fp8": b})      # several runs in one launch: name -> result
 
 CLI: `python -m pai_cookbook.train --config run.json --nproc-per-node 8` (exit code 2 on bad input,
 before any worker starts; 1 on a worker failure). The training loop itself runs under torchrun in
@@ -18,15 +19,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shutil
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pai_cookbook import data
 from pai_cookbook.core import checkpoint, layout, nodes, runtime
 from pai_cookbook.core import launch as launcher
 from pai_cookbook.core.config import ConfigError, RunConfig
+from pai_cookbook.core.worker import Job
 
 
 @nodes.node0_only
@@ -84,6 +89,51 @@ def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "ru
     config.validate(world, runtime.detect_device())
     preflight(config, world)
     return launcher.launch(config, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+
+
+@dataclass(kw_only=True)
+class Sweep(Job):
+    """Several training runs, one after another in one launch: the job of `sweep`."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.sweep"
+    SPANS_NODES: ClassVar[bool] = True
+
+    names: list[str]
+    folders: list[str]
+    """Each run's folder under the launch's run folder (its metrics.jsonl, TensorBoard)."""
+    runs: list[RunConfig]
+
+    def check(self, world_size: int, device: Any) -> None:
+        for config in self.runs:
+            config.validate(world_size, device)
+
+
+def sweep(runs: Mapping[str, RunConfig], *, nproc_per_node: int = 1, run_dir: str | Path = "runs/sweep",
+          **launch_kwargs: Any) -> dict[str, dict[str, Any]]:
+    """Train several configs one after another in one launch (recipes, seeds, learning rates side by side).
+
+    Each run is exactly what `run(config)` would train; torchrun's and Megatron-Core's start-up (seconds
+    per launch) are paid once. Every config is checked before the launch, as `run` checks one.
+    Args:
+        runs: name -> RunConfig. A run logs into run_dir/<name> (characters other than letters, digits,
+            "-", "_" and "." become "_"), so `history(run_dir / folder)` reads it.
+    Returns:
+        name -> the result `run` returns for that config, in the order given.
+    """
+    if not runs:
+        raise ConfigError("sweep needs at least one run: {name: RunConfig}.")
+    folders = {name: re.sub(r"[^\w.-]+", "_", name).strip("._") for name in runs}
+    clashes = {f for f in folders.values() if list(folders.values()).count(f) > 1} | ({""} & set(folders.values()))
+    if clashes:
+        raise ConfigError(f"sweep run names {sorted(runs)} give the same or an empty folder name "
+                          f"({sorted(clashes)}); name the runs so that their letters and digits differ.")
+    world = runtime.detect_launch_env().world_size(nproc_per_node)
+    for config in runs.values():
+        config.validate(world, runtime.detect_device())
+        preflight(config, world)
+    job = Sweep(names=list(runs), folders=list(folders.values()), runs=list(runs.values()))
+    result = launcher.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+    return dict(zip(runs, result["runs"]))
 
 
 def history(run_dir: str | Path) -> dict[str, Any]:

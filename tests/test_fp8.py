@@ -5,6 +5,7 @@ TP=1 does (the amax of a split tensor is reduced over the group)."""
 import pytest
 import torch
 
+from pai_cookbook import fp8 as verdicts
 from pai_cookbook.core import fp8
 from pai_cookbook.core.config import FP8Config, OptimizerConfig, ParallelConfig, PrecisionConfig
 from tests.conftest import tiny_run
@@ -34,10 +35,14 @@ def test_rounding_error_is_within_half_a_unit_in_the_last_place(fmt):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_saturation_and_underflow_are_counted(fmt):
     fmax = fp8.FORMATS[fmt][1]
-    x = torch.tensor([fmax * 4, -fmax * 1.5, float("inf"), 1.0, 1e-30, 0.0])
+    grid = fp8.representable(fmt)
+    assert fp8.SATURATES_ABOVE[fmt] == grid[-1] + (grid[-1] - grid[-2]) / 2
+    x = torch.tensor([fmax * 4, -fmax * 1.5, float("inf"), 1.0, 1e-30, 0.0, fmax * 1.01])
     out, counts = fp8.quantize(x, 1.0, fmt)
     assert out[:3].tolist() == [fmax, -fmax, fmax]  # saturated at the largest finite value, as TE's satfinite cast
-    assert counts.overflow == 3 and counts.underflow == 1 and counts.numel == 6  # the exact 0.0 is no underflow
+    # the exact 0.0 is no underflow; 1.01 x fmax rounds to fmax without saturating (what a tensorwise scale
+    # does to the amax itself, a float rounding above fmax): no overflow
+    assert counts.overflow == 3 and counts.underflow == 1 and counts.numel == 7 and out[-1] == fmax
 
 
 def test_delayed_scaling_uses_the_history_up_to_the_previous_step():
@@ -80,6 +85,37 @@ def test_tensorwise_and_blockwise_scales_come_from_the_tensor_itself():
     assert scales[0, 0] == 2.0 ** -2 and scales[0, 200] == 2.0 ** 8 and scales[2, 0] == 2.0 ** 8
     weight = fp8.block_scales(x, "e4m3", weight=True)  # 128 x 128 blocks: rows 0-2 share one per column block
     assert weight[2, 0] == 2.0 ** -2 and weight[2, 200] == 2.0 ** 8
+
+
+def test_a_verdict_needs_the_band_and_the_relative_bound_over_the_last_steps_only():
+    def run(tail: float) -> list[float]:
+        return [9.0] * 50 + [tail] * verdicts.TAIL_STEPS  # the first 50 steps are not in the verdict
+
+    band = verdicts.seed_band({1: run(2.99), 2: run(3.0), 3: run(3.01)})  # mean 3.0, spread 0.02
+    assert band["mean"] == pytest.approx(3.0) and band["spread"] == pytest.approx(0.02)
+    assert verdicts.verdict([run(3.01), run(3.0)], band)["ok"]  # mean over seeds 3.005: in both bounds
+    wide = verdicts.verdict([run(3.03)], band)  # within 2 x 0.02 of the mean, but 1% off
+    assert wide["in_band"] and not wide["within_relative"] and not wide["ok"]
+    tight = verdicts.seed_band({1: run(2.999), 2: run(3.001)})  # spread 0.002
+    narrow = verdicts.verdict([run(3.01)], tight)  # within 0.5%, outside 2 x 0.002
+    assert narrow["within_relative"] and not narrow["in_band"] and not narrow["ok"]
+    with pytest.raises(ValueError, match="no 100-step tail"):
+        verdicts.verdict([[3.0] * 99], band)
+
+
+def test_fp8_statistics_become_arrays_and_name_the_worst_linear():
+    def step(under: float) -> dict:
+        figures = {"amax": 1.0, "scale": 2.0, "overflow": 0.0, "underflow": 0.0}
+        return {"1.mlp.linear_fc1": {r: dict(figures) for r in fp8.ROLES},
+                "1.mlp.linear_fc2": {r: dict(figures) | ({"underflow": under} if r == "grad" else {})
+                                     for r in fp8.ROLES}}
+    history = [step(0.9), step(0.2), step(0.4)]  # step 0 (scale 1 under delayed scaling) is skipped
+    names, values = verdicts.statistics(history, "grad", "underflow")
+    assert names == ["1.mlp.linear_fc1", "1.mlp.linear_fc2"] and values.shape == (3, 2)
+    layer, fraction = verdicts.worst(history)["grad underflow"]
+    assert layer == "1.mlp.linear_fc2" and fraction == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="no FP8 statistics"):
+        verdicts.statistics([], "grad", "underflow")
 
 
 FP8_RUN = dict(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(recipe="delayed", amax_history_len=16)),

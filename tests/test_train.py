@@ -183,3 +183,18 @@ def test_moe_training_at_tp_without_sequence_parallelism_is_refused_before_launc
     with pytest.raises(ConfigError, match=r"training an MoE model at TP=2 needs sequence_parallel=True"):
         train.run(config, nproc_per_node=2, run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_sweep_trains_each_run_as_run_would_and_logs_each_in_its_own_folder(tmp_path):
+    first, second = tiny_run(train_iters=3), tiny_run(train_iters=3, seed=7)
+    quiet = dict(show_progress=False, echo=False)
+    swept = train.sweep({"seed 1": first, "seed/7": second}, run_dir=tmp_path / "sweep", **quiet)
+    alone = train.run(second, run_dir=tmp_path / "alone", **quiet)
+    assert list(swept) == ["seed 1", "seed/7"]
+    # the second run of a launch trains exactly as it does alone: parallel state and RNG rebuilt per run
+    assert swept["seed/7"]["losses"] == alone["losses"] and swept["seed 1"]["losses"] != alone["losses"]
+    assert train.history(tmp_path / "sweep" / "seed_7")["losses"] == alone["losses"]
+    assert train.history(tmp_path / "sweep" / "seed_1")["losses"] == swept["seed 1"]["losses"]
+    with pytest.raises(ConfigError, match="same or an empty folder"):
+        train.sweep({"a b": first, "a/b": second}, run_dir=tmp_path / "clash")
+    assert not (tmp_path / "clash").exists(), "refused before any worker started"

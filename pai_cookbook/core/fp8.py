@@ -27,6 +27,10 @@ FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
+# Where rounding ends and saturation begins: the largest finite value plus half its unit in the last place
+# (448 + 32/2, 57344 + 8192/2). Below it, round-to-nearest gives the largest finite value anyway (a value at
+# the amax, scaled by fp8_max / amax, lands a rounding error above fp8_max); above it the clamp lost range.
+SATURATES_ABOVE = {"e4m3": 464.0, "e5m2": 61440.0}
 BLOCK = 128
 
 
@@ -47,20 +51,27 @@ class Counts:
         self.underflow += other.underflow
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> tuple[torch.Tensor, Counts]:
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str,
+             amax: float | None = None) -> tuple[torch.Tensor, Counts]:
     """`x` as an FP8 GEMM sees it: x * scale saturated at the format's max, rounded, divided by scale (fp32).
 
-    `scale` is a scalar or broadcasts against `x` (blockwise). Overflow counts the values that saturated;
-    underflow the non-zero values that rounded to zero.
+    `scale` is a scalar or broadcasts against `x` (blockwise); `amax` is x's largest magnitude when the
+    caller has it. Overflow counts the values that saturated (beyond rounding distance of the largest
+    finite value); underflow the non-zero values that rounded to zero.
     """
     dtype, fmax = FORMATS[fmt]
     scaled = x.float() * scale
-    overflow = scaled.abs() > fmax  # inf and -inf included; NaN stays NaN, as TE's cast leaves it
+    if amax is None:
+        amax = float(x.detach().abs().max()) if x.numel() else 0.0
+    peak = amax * float(scale.max() if torch.is_tensor(scale) else scale)
+    overflow = 0
+    if not peak <= SATURATES_ABOVE[fmt]:  # the pass over x only when something can saturate (or is inf/NaN)
+        overflow = int((scaled.abs() > SATURATES_ABOVE[fmt]).sum())  # NaN stays NaN, as TE's cast leaves it
     rounded = scaled.clamp(-fmax, fmax).to(dtype).float()
-    underflow = (rounded == 0) & (x != 0)
+    # rounding never makes a zero non-zero, nor saturation a value zero: the difference is what underflowed
+    underflow = int(torch.count_nonzero(x)) - int(torch.count_nonzero(rounded))
     scalar = float(scale) if not torch.is_tensor(scale) or scale.numel() == 1 else float("nan")
-    counts = Counts(amax=float(x.detach().abs().max()) if x.numel() else 0.0, scale=scalar,
-                    overflow=int(overflow.sum()), underflow=int(underflow.sum()), numel=x.numel())
+    counts = Counts(amax=amax, scale=scalar, overflow=overflow, underflow=underflow, numel=x.numel())
     return rounded / scale, counts
 
 
@@ -167,12 +178,11 @@ class EmulatedGemm:
             _reduce_max(amax)
             if self.recipe == "delayed":
                 state = self.delayed[role]
-                out, counts = quantize(x, state.scale, fmt)
+                out, counts = quantize(x, state.scale, fmt, float(amax))
                 state.record(amax)
                 state.update()
             else:
-                out, counts = quantize(x, current_scale(amax, fmt, self.margin), fmt)
-            counts.amax = float(amax)
+                out, counts = quantize(x, current_scale(amax, fmt, self.margin), fmt, float(amax))
         self.counts[role].merge(counts)
         return out
 

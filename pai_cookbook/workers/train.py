@@ -174,7 +174,7 @@ class StepLog:
     """Per-step figures: tokens/s and MFU on every step, written by rank 0 to run_dir/metrics.jsonl and
     to TensorBoard (run_dir/tensorboard) when the launcher gave a run folder."""
 
-    def __init__(self, config: RunConfig, device: DeviceInfo, fresh: bool):
+    def __init__(self, config: RunConfig, device: DeviceInfo, fresh: bool, log_dir: str | Path | None = None):
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
         self.flops_per_token = training_flops_per_token(config.model, config.data.seq_length)
         # The world's peak: every rank measures its own device (and threads), then they are summed.
@@ -182,11 +182,12 @@ class StepLog:
         torch.distributed.all_reduce(peak.cuda() if device.is_cuda else peak)
         self.peak_flops = float(peak.item())
         self.jsonl = self.tensorboard = None
-        run_dir = os.environ.get(worker.RUN_DIR_ENV)
+        run_dir = log_dir or os.environ.get(worker.RUN_DIR_ENV)
         if run_dir and worker.rank() == 0:
             from torch.utils.tensorboard import SummaryWriter
 
             # a run that starts at step 0 starts the log over; a resumed one continues it
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
             self.jsonl = (Path(run_dir) / "metrics.jsonl").open("w" if fresh else "a")
             self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
@@ -224,8 +225,13 @@ def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str |
     return 0, None
 
 
-def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
-    """Run (or continue) training up to config.train_iters; returns this invocation's history."""
+def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = None,
+          progress: tuple[str, int, int] | None = None) -> dict[str, Any]:
+    """Run (or continue) training up to config.train_iters; returns this invocation's history.
+
+    log_dir: where metrics.jsonl and TensorBoard go (default: the launch's run folder).
+    progress: (name, steps before this run, steps in all) when this run is one of a sweep's.
+    """
     model, optimizer, scheduler = build(config, device)
     first_step, started_from = _restore(config, model, optimizer, scheduler)
     train_set = valid_set = None
@@ -237,7 +243,8 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
     history: list[dict[str, float]] = []
     valid_losses: list[tuple[int, float]] = []
     saved = None
-    log = StepLog(config, device, fresh=first_step == 0)
+    log = StepLog(config, device, fresh=first_step == 0, log_dir=log_dir)
+    name, offset, total = progress or (None, 0, config.train_iters)
     router = moe.RouterStats([m.module for m in model], config) if config.model.is_moe else None
     fp8_backend = config.precision.fp8.resolve_backend(device) if config.precision.fp8 is not None else None
     start = time.perf_counter()
@@ -265,7 +272,7 @@ def train(config: RunConfig, device: DeviceInfo) -> dict[str, Any]:
         log.write(done, history[-1])
         if worker.rank() == 0 and (done % config.log_interval == 0 or last):
             shown = ("loss", "lr", "tokens_per_s") + (("min_load", "max_load") if router else ())
-            worker.progress(done, config.train_iters, **{k: history[-1][k] for k in shown})
+            worker.progress(offset + done, total, **{k: history[-1][k] for k in shown} | ({"run": name} if name else {}))
     log.close()
     if router is not None:
         router.close()
