@@ -7,6 +7,8 @@ Job: Scenario(config, scenario, layouts)
   layouts      train once per config in `layouts`, rebuilding Megatron-Core's parallel state for each
                inside one process group; returns each history
   module_types build the model of config and list the class names of its modules (which layers a device gets)
+  fp8_scales   two forward/backward passes of one batch at the loaded weights, no optimizer step; then each
+               FP8 GEMM's delayed-scaling scales, from Transformer Engine or from the emulated backend
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
 patch out, which is how tests/test_compat.py shows each patch is needed.
 """
@@ -64,6 +66,29 @@ def module_types(config: RunConfig, device) -> dict:
     return {"types": sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()})}
 
 
+def fp8_scales(config: RunConfig, device) -> dict:
+    from pai_cookbook.workers.train import _forward_backward, _restore, build, micro_batches
+
+    model, optimizer, scheduler = build(config, device)
+    _restore(config, model, optimizer, scheduler)
+    batch = micro_batches(config, None, 0)[:1]
+    for _ in range(2):  # the second pass runs at the scales the first one's amaxes gave (same batch, same amax)
+        _forward_backward(config, model, batch, forward_only=False)
+    scales = {}
+    for chunk in model:
+        for layer in chunk.module.decoder.layers:
+            for name, module in layer.named_modules():
+                key = f"{layer.layer_number}.{name}"
+                if hasattr(module, "fp8_gemm"):
+                    scales[key] = {role: float(state.scale) for role, state in module.fp8_gemm.delayed.items()}
+                elif "scaling_fwd" in (getattr(module, "fp8_meta", None) or {}):
+                    # Transformer Engine's delayed-scaling state: forward [input, weight, output], backward
+                    # [output gradient, input gradient]
+                    fwd, bwd = module.fp8_meta["scaling_fwd"].scale, module.fp8_meta["scaling_bwd"].scale
+                    scales[key] = {"input": float(fwd[0]), "weight": float(fwd[1]), "grad": float(bwd[0])}
+    return {"scales": scales}
+
+
 def layouts(configs: list[RunConfig]) -> dict:
     devices = runtime.each_layout((c.parallel, c.seed) for c in configs)
     return {"runs": [train(config, device) for config, device in zip(configs, devices)]}
@@ -95,6 +120,8 @@ def main(job: Scenario) -> dict:
             return param_counts(config, device)
         if job.scenario == "module_types":
             return module_types(config, device)
+        if job.scenario == "fp8_scales":
+            return fp8_scales(config, device)
         return train(config, device)
 
 
