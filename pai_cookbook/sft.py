@@ -222,3 +222,53 @@ def efficiency(lengths: Sequence[int], capacity: int, packed: bool) -> float:
     sequence padded to `capacity`."""
     sequences = len(pack(lengths, capacity)) if packed else len(lengths)
     return sum(lengths) / (sequences * capacity) if sequences else 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches: packed (several conversations per sequence, attention kept inside each) or padded
+# --------------------------------------------------------------------------------------------------
+def batch(samples: Sequence[Sample], rows: Sequence[Sequence[int]], seq_length: int, pad_id: int) -> dict[str, Any]:
+    """Model inputs for `rows` (each a list of indices into `samples`, packed in that order into one
+    sequence of `seq_length`): tokens, labels, loss_mask and `document` (which conversation each position
+    belongs to, -1 for padding), from which `attention_mask` builds the block-diagonal causal mask.
+
+    A sample of n ids fills n - 1 positions: inputs ids[:-1], labels ids[1:], trained where its mask says.
+    Padded batches are the same with one sample per row.
+    """
+    import torch
+
+    shape = (len(rows), seq_length)
+    tokens, labels = torch.full(shape, pad_id, dtype=torch.long), torch.full(shape, pad_id, dtype=torch.long)
+    loss_mask, document = torch.zeros(shape), torch.full(shape, -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for d, i in enumerate(row):
+            ids, mask = samples[i].ids, samples[i].loss_mask
+            n = len(ids) - 1
+            if at + n > seq_length:
+                raise SFTError(f"row {r} holds {at + n} positions, more than seq_length {seq_length}; pack with "
+                               f"capacity seq_length over len(ids) - 1.")
+            tokens[r, at:at + n] = torch.tensor(ids[:-1])
+            labels[r, at:at + n] = torch.tensor(ids[1:])
+            loss_mask[r, at:at + n] = torch.tensor(mask[1:], dtype=torch.float)
+            document[r, at:at + n] = d
+            at += n
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "document": document}
+
+
+def attention_mask(document: Any) -> Any:
+    """Megatron-Core's boolean attention mask [batch, 1, seq, seq] (True: masked) that keeps attention causal
+    and inside each conversation of a packed row; a padding position sees only itself.
+
+    With this mask rotary embeddings need no per-conversation reset: RoPE scores depend only on the distance
+    between two positions, which packing does not change inside a conversation (tests compare packed and
+    padded logits).
+    """
+    import torch
+
+    seq = document.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document.device).tril()
+    same = document[:, :, None] == document[:, None, :]
+    pad_self = torch.eye(seq, dtype=torch.bool, device=document.device) & (document < 0)[:, :, None]
+    keep = (same & causal & (document >= 0)[:, :, None]) | pad_self
+    return ~keep[:, None]

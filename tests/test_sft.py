@@ -7,6 +7,8 @@ import pytest
 
 from pai_cookbook import sft, smollm2
 from pai_cookbook.core import tokenizer
+from pai_cookbook.core.config import DataConfig
+from tests.conftest import tiny_run
 
 CONVERSATION = {"line": 1, "messages": [
     {"role": "system", "content": "Answer in one word."},
@@ -78,3 +80,14 @@ def test_first_fit_decreasing_fills_bins_without_splitting_items():
     assert sft.efficiency(lengths, 10, packed=True) == 44 / 50 > sft.efficiency(lengths, 10, packed=False)
     with pytest.raises(sft.SFTError, match="longer than the pack capacity 8"):
         sft.pack(lengths, 8)
+
+
+def test_a_packed_row_computes_each_conversation_as_it_is_alone(run_scenario):
+    """Eight conversations of 4-29 positions in 64-position rows: the block-diagonal causal mask gives each
+    the logits it has alone in a padded row (fp32; RoPE positions are not reset, which changes nothing but
+    rounding: scores depend only on distances). Without the mask, later conversations see earlier ones."""
+    figures = run_scenario(tiny_run(data=DataConfig(seq_length=64, micro_batch_size=1, global_batch_size=1)),
+                           scenario="packed_logits")
+    assert figures["rows"] < figures["conversations"]  # packing shared rows
+    assert figures["max_abs_diff"] <= 1e-5, figures
+    assert figures["max_abs_diff_without_boundaries"] > 1e-2, figures  # the comparison can fail

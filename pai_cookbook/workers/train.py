@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook import data, moe
+from pai_cookbook import data, moe, sft
 from pai_cookbook.core import checkpoint, fp8, layout, runtime, tokenizer, worker
 from pai_cookbook.core.config import RunConfig
 from pai_cookbook.core.model import build_model, torch_dtype, training_flops_per_token
@@ -61,7 +61,9 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     batch = next(data_iterator)
     tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
     position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, attention_mask=None, labels=labels)
+    # packed SFT rows carry which conversation each position belongs to; attention stays inside each
+    mask = sft.attention_mask(batch["document"].to(device)) if "document" in batch else None
+    output = model(tokens, position_ids, attention_mask=mask, labels=labels)
     return output, partial(_loss_func, batch["loss_mask"].to(device))
 
 

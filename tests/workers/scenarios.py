@@ -7,6 +7,8 @@ Job: Scenario(config, scenario, layouts)
   layouts      train once per config in `layouts`, rebuilding Megatron-Core's parallel state for each
                inside one process group; returns each history
   module_types build the model of config and list the class names of its modules (which layers a device gets)
+  packed_logits the same random conversations packed into shared rows and padded one per row: logits per
+               conversation, with the block-diagonal mask and (negative control) without it
   fp8_scales   two forward/backward passes of one batch at the loaded weights, no optimizer step; then each
                FP8 GEMM's delayed-scaling scales, from Transformer Engine or from the emulated backend
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
@@ -66,6 +68,35 @@ def module_types(config: RunConfig, device) -> dict:
     return {"types": sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()})}
 
 
+def packed_logits(config: RunConfig, device) -> dict:
+    from pai_cookbook import sft
+
+    generator = torch.Generator().manual_seed(config.seed)
+    lengths = [9, 17, 5, 30, 12, 21, 7, 14]  # ids per conversation; each fills len - 1 positions
+    samples = [sft.Sample(ids=torch.randint(1, config.model.vocab_size, (n,), generator=generator).tolist(),
+                          loss_mask=[True] * n) for n in lengths]
+    seq = config.data.seq_length
+    rows = sft.pack([n - 1 for n in lengths], seq)
+    packed = sft.batch(samples, rows, seq, pad_id=0)
+    padded = sft.batch(samples, [[i] for i in range(len(samples))], seq, pad_id=0)
+    (gpt,) = build_model(config.model, config.parallel, config.precision, device, config.seed)
+    gpt.eval()
+
+    def logits(batch, mask):
+        positions = torch.arange(seq).unsqueeze(0).expand_as(batch["tokens"])
+        with torch.no_grad():
+            return gpt(batch["tokens"], positions, attention_mask=mask).float()
+
+    alone = logits(padded, sft.attention_mask(padded["document"]))
+    diffs = {}
+    for name, mask in (("masked", sft.attention_mask(packed["document"])), ("unmasked", None)):
+        together = logits(packed, mask)
+        diffs[name] = max(float((together[r][packed["document"][r] == d] - alone[i][:lengths[i] - 1]).abs().max())
+                          for r, row in enumerate(rows) for d, i in enumerate(row))
+    return {"rows": len(rows), "conversations": len(lengths), "max_abs_diff": diffs["masked"],
+            "max_abs_diff_without_boundaries": diffs["unmasked"]}
+
+
 def fp8_scales(config: RunConfig, device) -> dict:
     from pai_cookbook.workers.train import _forward_backward, _restore, build, micro_batches
 
@@ -120,6 +151,8 @@ def main(job: Scenario) -> dict:
             return param_counts(config, device)
         if job.scenario == "module_types":
             return module_types(config, device)
+        if job.scenario == "packed_logits":
+            return packed_logits(config, device)
         if job.scenario == "fp8_scales":
             return fp8_scales(config, device)
         return train(config, device)
