@@ -1,4 +1,4 @@
-"""The training worker: layout parity from one seed, atomic checkpoints, refusal to overwrite."""
+"""The training worker: layout parity on a corpus, atomic checkpoints, exact resume after a kill, refusal to overwrite."""
 
 import dataclasses
 import json
@@ -14,23 +14,6 @@ from pai_cookbook.core import checkpoint, families
 from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, OptimizerConfig, ParallelConfig
 from pai_cookbook.workers import train as train_worker
 from tests.conftest import tiny_run
-
-
-@pytest.mark.multiproc
-def test_pipeline_parallel_matches_single_process_from_the_same_seed(run_scenario):
-    # Layers seed their init by global layer number, so PP=2 builds the PP=1 model exactly.
-    four_layers = {"num_layers": 4}
-    reference = run_scenario(tiny_run(model_overrides=four_layers))["losses"]
-    pp2 = run_scenario(tiny_run(model_overrides=four_layers,
-                                parallel=ParallelConfig(pipeline_model_parallel_size=2)), 2)["losses"]
-    assert pp2 == pytest.approx(reference, abs=1e-5)
-
-
-@pytest.mark.multiproc
-def test_data_parallel_matches_single_process(run_scenario):
-    reference = run_scenario(tiny_run())["losses"]
-    dp2 = run_scenario(tiny_run(), 2)["losses"]  # DP=2: each rank takes half of the same global batch
-    assert dp2 == pytest.approx(reference, abs=1e-5)
 
 
 def test_checkpoints_are_saved_atomically_and_never_overwritten_silently(tmp_path):
@@ -58,9 +41,10 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)], ids=["tp1", "tp2"])
-def test_killed_run_resumes_exactly(parallel, tmp_path):
-    """SIGKILL every process once a checkpoint exists; the resumed steps equal an uninterrupted run's."""
+def test_killed_run_resumes_exactly(tmp_path):
+    """SIGKILL every process of a TP=2 run once a checkpoint exists; the resumed steps equal an uninterrupted
+    run's. (TP=2 is the harder case: two processes killed, a sharded checkpoint; one process is the same code.)"""
+    parallel = ParallelConfig(tensor_model_parallel_size=2)
     nproc, steps = parallel.tensor_model_parallel_size, 24
 
     def config(save_dir):
@@ -160,20 +144,22 @@ def corpus(tmp_path_factory):
 
 @pytest.mark.multiproc
 def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scenario):
-    def run(parallel, nproc, distributed_optimizer=False):
-        config = tiny_run(parallel=parallel, train_iters=20, eval_interval=10, data=DataConfig(
+    """TP=2, PP=2 (layers seed their init by global layer number, so stage 2 builds the PP=1 model's layer
+    2), DP=2 and DP=2 with the optimizer state sharded each train as one process does, on the corpus with
+    validation. The four 2-process layouts share one launch."""
+    def config(parallel, distributed_optimizer=False):
+        return tiny_run(parallel=parallel, train_iters=20, eval_interval=10, data=DataConfig(
             source="indexed", paths=[str(corpus)], seq_length=32, micro_batch_size=2, global_batch_size=8),
             optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
                                       use_distributed_optimizer=distributed_optimizer))
-        return run_scenario(config, nproc)
 
-    reference = run(ParallelConfig(), 1)
+    reference = run_scenario(config(ParallelConfig()), 1)
     assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it learns
-    for parallel, distributed_optimizer in ((ParallelConfig(tensor_model_parallel_size=2), False),
-                                            (ParallelConfig(pipeline_model_parallel_size=2), False),
-                                            (ParallelConfig(), False),   # 2 processes: DP=2
-                                            (ParallelConfig(), True)):   # DP=2 with optimizer state sharded
-        other = run(parallel, 2, distributed_optimizer)
+    layouts = [(ParallelConfig(tensor_model_parallel_size=2), False), (ParallelConfig(pipeline_model_parallel_size=2), False),
+               (ParallelConfig(), False),   # 2 processes: DP=2
+               (ParallelConfig(), True)]    # DP=2 with optimizer state sharded
+    runs = run_scenario.layouts([config(parallel, sharded) for parallel, sharded in layouts], 2)
+    for (parallel, _), other in zip(layouts, runs):
         assert other["losses"] == pytest.approx(reference["losses"], abs=1e-4), parallel
         assert [v for _, v in other["valid_losses"]] == pytest.approx([v for _, v in reference["valid_losses"]], abs=1e-4)
 
