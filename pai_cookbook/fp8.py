@@ -34,8 +34,8 @@ def tail_mean(losses: Sequence[float], steps: int = TAIL_STEPS) -> float:
     return float(np.mean(losses[-steps:]))
 
 
-def seed_band(runs: Mapping[str, Sequence[float]], steps: int = TAIL_STEPS) -> dict[str, Any]:
-    """The BF16 yardstick from runs that differ only in their seed.
+def seed_band(runs: Mapping[Any, Sequence[float]], steps: int = TAIL_STEPS) -> dict[str, Any]:
+    """The BF16 yardstick from runs that differ only in their seed (keyed by seed or name).
 
     Returns:
         {"tails": name -> tail mean, "mean", "spread" (max - min of the tails), "curves": steps x seeds}
