@@ -53,8 +53,7 @@ TERMINATE_GRACE_S = 5.0
 _EVENT_DECODER = json.JSONDecoder()
 # One entry of torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: ...)".
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-# torchrun's --tee prefix; at a high event rate its tail can write the prefix twice around an empty read
-_RANK_PREFIX = re.compile(r"^(?:\[default\d+\]:)+")
+_RANK_PREFIX = re.compile(r"^\[default\d+\]:")
 # Errors a rank raises because a *peer* went away: a consequence, not the cause. A failing rank's own
 # teardown (destroy_process_group in a finally) can make its peers raise these before the failing
 # rank's exception is even recorded, so time alone cannot order them.
