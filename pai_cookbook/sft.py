@@ -2,7 +2,8 @@
 
     conversations = sft.read("data/sft/train.jsonl")          # "messages", or "prompt"/"response" records
     samples, counts = sft.encode_all(tokenizer, conversations, seq_length=512)
-    packs = sft.pack([len(s.ids) for s in samples], 512)     # first-fit decreasing, no sample split
+    rows = sft.pack([len(s.ids) - 1 for s in samples], 512)  # first-fit decreasing, no sample split
+    batch = sft.batch(samples, rows, 512, pad_id)             # tokens, labels, loss_mask, document ids
 
 The whole conversation is rendered once with the tokenizer's chat template (or a named one) and tokenized
 once; the tokens of each assistant turn, its end-of-turn token included, carry the loss, nothing else
