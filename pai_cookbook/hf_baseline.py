@@ -1,7 +1,8 @@
 """The Hugging Face side of every comparison: what `transformers` computes on the same inputs.
 
 `hf_logits` is the reference of the logits parity (`parity`), `hf_generate` the reference of greedy and
-sampled generation (`generate`), `hf_complete` the quick look at an exported model's text.
+sampled generation (`generate`), `hf_complete` the quick look at an exported model's text,
+`hf_packed_token_losses` the reference of fine-tuning's per-token loss on packed rows (`sft`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,34 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = tor
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
     with torch.no_grad():
         return model(tokens.to(device)).logits.float().cpu()
+
+
+def hf_packed_token_losses(hf_dir: str | Path, batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """transformers' per-token losses [rows, seq] of each batch of packed SFT rows (`sft.batch`, `sft.load`,
+    `sft.global_batch`), fp32, padding-free.
+
+    Each row's conversations are laid end to end without padding, positions restarting at 0 for each
+    (transformers reads the boundaries from the position ids and keeps attention inside each
+    conversation), `use_cache=False`. Positions holding padding get 0.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for batch in batches:
+            tokens, labels, document = batch["tokens"], batch["labels"], batch["document"]
+            losses = torch.zeros(tokens.shape, dtype=torch.float32)
+            index = torch.arange(tokens.shape[1])
+            for r in range(tokens.shape[0]):
+                real = document[r] >= 0
+                starts = torch.ones_like(real)
+                starts[1:] = document[r, 1:] != document[r, :-1]
+                positions = index - torch.cummax(torch.where(starts, index, 0), 0).values  # 0 at each conversation
+                logits = model(tokens[r, real][None], position_ids=positions[real][None], use_cache=False).logits[0]
+                losses[r, real] = torch.nn.functional.cross_entropy(logits.float(), labels[r, real], reduction="none")
+            out.append(losses)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

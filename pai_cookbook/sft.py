@@ -1,6 +1,11 @@
 """Supervised fine-tuning data: conversations -> token ids with an answer-only loss mask, then packed.
 
-    conversations = sft.read("data/sft/train.jsonl")          # "messages", or "prompt"/"response" records
+    summary = sft.prepare("data/sft/arithmetic.jsonl", "runs/sft_data", tokenizer_dir, seq_length=512)
+    config = RunConfig(..., data=DataConfig(source="sft", paths=["runs/sft_data"], seq_length=512))
+
+or step by step:
+
+    conversations = sft.read("data/sft/arithmetic.jsonl")    # "messages", or "prompt"/"response" records
     samples, counts = sft.encode_all(tokenizer, conversations, seq_length=512)
     rows = sft.pack([len(s.ids) - 1 for s in samples], 512)  # first-fit decreasing, no sample split
     batch = sft.batch(samples, rows, 512, pad_id)             # tokens, labels, loss_mask, document ids
@@ -17,12 +22,21 @@ token left out (the model never learns to stop), a second BOS, samples without a
 from __future__ import annotations
 
 import json
+import os
+import random
+import shutil
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
+DEFAULT_SET = Path(__file__).resolve().parents[1] / "data" / "sft" / "arithmetic.jsonl"
+"""The cookbook's instruction set (scripts/make_sft_data.py): arithmetic asked in ten phrasings, answered in
+one format, one to six turns per conversation."""
+DEFAULT_TEST_SET = DEFAULT_SET.with_name("arithmetic_test.jsonl")
+"""64 held-out first questions with their answers: {"prompt", "answer"} per line."""
 TRUNCATION = ("drop", "truncate")
 
 # ChatML with the assistant turns marked for transformers' assistant mask: what SmolLM2's and Qwen2's own
@@ -67,6 +81,8 @@ class Counts:
     cross_checked: int = 0
     disagreements: list[int] = field(default_factory=list)
     """Lines whose template mask and boundary scan differ."""
+    dropped_lines: list[int] = field(default_factory=list)
+    """Lines of the conversations dropped (too long, or no loss token left)."""
 
 
 def read(path: str | Path) -> list[dict[str, Any]]:
@@ -183,11 +199,13 @@ def encode_all(tokenizer, conversations: Sequence[dict[str, Any]], seq_length: i
         if len(sample.ids) > seq_length + 1:
             if truncation == "drop":
                 counts.dropped_too_long += 1
+                counts.dropped_lines.append(sample.line)
                 continue
             counts.truncated += 1
             sample.ids, sample.loss_mask = sample.ids[:seq_length + 1], sample.loss_mask[:seq_length + 1]
         if not any(sample.loss_mask[1:]):  # the first token is never predicted
             counts.dropped_no_loss += 1
+            counts.dropped_lines.append(sample.line)
             continue
         samples.append(sample)
     return samples, counts
@@ -273,3 +291,258 @@ def attention_mask(document: Any) -> Any:
     pad_self = torch.eye(seq, dtype=torch.bool, device=document.device) & (document < 0)[:, :, None]
     keep = (same & causal & (document >= 0)[:, :, None]) | pad_self
     return ~keep[:, None]
+
+
+# --------------------------------------------------------------------------------------------------
+# A prepared set: what training reads (source="sft")
+# --------------------------------------------------------------------------------------------------
+SUMMARY = "sft.json"
+SPLITS = ("train", "valid")
+
+
+def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, tokenizer_dir: str | Path, *,
+            seq_length: int, template: str | None = None, truncation: str = "drop", packed: bool = True,
+            valid_fraction: float = 0.05, seed: int = 0) -> dict[str, Any]:
+    """Encode, split and pack a conversation set into `out_dir` (train.safetensors, valid.safetensors and
+    sft.json), the folder a `DataConfig(source="sft", paths=[out_dir])` trains on. Everything that can be
+    wrong with the data is found here, in this process, before any worker starts.
+
+    Args:
+        source: a JSONL file (`read`) or conversations already read.
+        tokenizer_dir: the tokenizer of the model to be trained (a checkpoint's `hf_assets/`).
+        template: None (the tokenizer's chat template), a name in TEMPLATES, or a Jinja template.
+        truncation: "drop" or "truncate" conversations longer than seq_length + 1 tokens.
+        packed: pack conversations into rows (first-fit decreasing); False: one per row, padded.
+        valid_fraction: conversations held out (seeded shuffle) for the validation loss.
+    Returns:
+        The summary written to sft.json: counts (`Counts`), the masks' `audit`, and per split the
+        conversations, rows, loss tokens, packed and padded efficiency and source lines.
+    Raises:
+        SFTError: bad records (file:line), a template that cannot mark assistant spans or disagrees with
+        transformers' assistant mask, no conversation left to train on.
+    """
+    from pai_cookbook.core import tokenizer as tokenizers
+
+    conversations = read(source) if isinstance(source, (str, Path)) else list(source)
+    hf = tokenizers.load(tokenizer_dir)
+    samples, counts = encode_all(hf, conversations, seq_length, template, truncation)
+    if counts.disagreements:
+        raise SFTError(f"lines {counts.disagreements[:10]}: transformers' assistant mask and the boundary scan "
+                       f"mark different tokens; the template's {{% generation %}} markers do not enclose exactly "
+                       f"each assistant turn and its end token. Fix the template.")
+    if counts.dropped_lines:
+        warnings.warn(f"{len(counts.dropped_lines)} of {counts.conversations} conversations dropped "
+                      f"({counts.dropped_too_long} longer than seq_length {seq_length} + 1 tokens, "
+                      f"{counts.dropped_no_loss} without a loss token): lines {counts.dropped_lines[:10]}",
+                      stacklevel=2)
+    if len(samples) < 2 and valid_fraction > 0:
+        raise SFTError(f"{len(samples)} of {counts.conversations} conversations are left to train on; need at "
+                       f"least 2 (one held out). Raise seq_length or use truncation='truncate'.")
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    held_out = max(1, round(valid_fraction * len(samples))) if valid_fraction > 0 else 0
+    split = {"train": [samples[i] for i in sorted(order[held_out:])],
+             "valid": [samples[i] for i in sorted(order[:held_out])]}
+    meta = {"truncation": truncation, "template": template if template is None or template in TEMPLATES else "custom",
+            "tokenizer": str(Path(tokenizer_dir).resolve()), "tokenizer_sha256": tokenizers.fingerprint(tokenizer_dir),
+            "vocab_size": len(hf), "counts": asdict(counts), "audit": audit(hf, samples, conversations)}
+    pad_id = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
+    return write(out_dir, split, seq_length, pad_id, packed=packed, **meta)
+
+
+def write(out_dir: str | Path, split: dict[str, Sequence[Sample]], seq_length: int, pad_id: int, *,
+          packed: bool = True, **meta: Any) -> dict[str, Any]:
+    """Pack (or pad) each split's samples into rows and write them with the summary; the folder appears
+    whole or not at all (written beside it, then renamed). `meta` joins the summary (`vocab_size` is
+    needed by `check_for_training`)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    summary: dict[str, Any] = {"seq_length": seq_length, "packed": packed} | meta
+    for name in SPLITS:
+        part = list(split.get(name, []))
+        lengths = [len(s.ids) - 1 for s in part]
+        rows = pack(lengths, seq_length) if packed else [[i] for i in range(len(part))]
+        tensors = batch(part, rows, seq_length, pad_id) if part else {}
+        save_file({k: v.to(getattr(torch, _STORED[k])).contiguous() for k, v in tensors.items()},
+                  str(partial / f"{name}.safetensors"))
+        summary[name] = {"conversations": len(part), "rows": len(rows), "positions": sum(lengths),
+                         "loss_tokens": sum(sum(s.loss_mask[1:]) for s in part),
+                         "efficiency": sum(lengths) / (len(rows) * seq_length) if rows else 0.0,
+                         "padded_efficiency": efficiency(lengths, seq_length, packed=False),
+                         "packed_efficiency": efficiency(lengths, seq_length, packed=True),
+                         "lines": [s.line for s in part]}
+    (partial / SUMMARY).write_text(json.dumps(summary, indent=1))
+    if out_dir.exists():  # derived data: a new preparation replaces the old one whole
+        shutil.rmtree(out_dir)
+    os.replace(partial, out_dir)
+    return summary
+
+
+_STORED = {"tokens": "int32", "labels": "int32", "loss_mask": "uint8", "document": "int32"}
+
+
+def describe(folder: str | Path) -> dict[str, Any]:
+    """The summary of a prepared set; a clear error when the folder is not one."""
+    path = Path(folder) / SUMMARY
+    if not path.exists():
+        raise SFTError(f"{folder} is not a prepared SFT set (no {SUMMARY}); write it with sft.prepare(...).")
+    return json.loads(path.read_text())
+
+
+def check_for_training(run: Any) -> None:
+    """Before launch: the set exists, was prepared at this seq_length with this model's tokenizer, holds a
+    global batch, and has validation rows when the run evaluates.
+
+    Raises:
+        SFTError: naming what differs and how to fix it.
+    """
+    from pai_cookbook.core import checkpoint
+    from pai_cookbook.core import tokenizer as tokenizers
+
+    folder = run.data.paths[0]
+    summary = describe(folder)
+    if summary["seq_length"] != run.data.seq_length:
+        raise SFTError(f"{folder} was packed into rows of {summary['seq_length']} positions, the run's seq_length is "
+                       f"{run.data.seq_length}; prepare it again with seq_length={run.data.seq_length}.")
+    if summary["vocab_size"] > run.model.vocab_size:
+        raise SFTError(f"{folder} was tokenized with a {summary['vocab_size']}-token vocabulary, larger than the "
+                       f"model's {run.model.vocab_size}; prepare it with this model's tokenizer.")
+    load_dir = run.checkpoint.load_dir
+    expected = tokenizers.fingerprint(Path(load_dir) / checkpoint.HF_ASSETS) if load_dir else None
+    if expected and summary["tokenizer_sha256"] != expected:
+        raise SFTError(f"{folder} was tokenized with {summary['tokenizer']}, not with the tokenizer of {load_dir}; "
+                       f"prepare it again with tokenizer_dir={Path(load_dir) / checkpoint.HF_ASSETS}.")
+    if summary["train"]["rows"] < run.data.global_batch_size:
+        raise SFTError(f"{folder} packs into {summary['train']['rows']} training rows, fewer than one global batch "
+                       f"({run.data.global_batch_size}); use a smaller global_batch_size or more data.")
+    if run.eval_interval and not summary["valid"]["rows"]:
+        raise SFTError(f"{folder} holds no validation conversations and the run evaluates (eval_interval="
+                       f"{run.eval_interval}); prepare it with valid_fraction > 0, or set eval_interval=0.")
+
+
+def load(folder: str | Path, split: str) -> dict[str, Any]:
+    """The rows of one split of a prepared set: tokens, labels, loss_mask, document (int64 / float)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(folder) / f"{split}.safetensors"))
+    return {k: v.float() if k == "loss_mask" else v.long() for k, v in tensors.items()}
+
+
+def global_batch(rows: dict[str, Any], step: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int, seed: int, average: str = "token", shuffle: bool = True) -> list[dict[str, Any]]:
+    """This DP rank's micro-batches of global batch `step`: rows [step x GBS, (step + 1) x GBS) of a stream
+    that runs through the set epoch after epoch, each epoch in its own seeded order (`shuffle`) or in
+    order. The same rows at every layout, and a resumed run continues where it stopped.
+
+    Each micro-batch carries `loss_mask` as loss weights and `loss_count`, what they sum to: per token
+    (weights 0/1, the count of loss tokens) or per sample (each conversation's tokens weigh 1/its loss
+    tokens, the count of conversations), so the global batch's loss is sum / count whatever the split.
+    """
+    import torch
+
+    n = rows["tokens"].shape[0]
+    per_rank = global_batch_size // dp_size
+    first = step * global_batch_size + dp_rank * per_rank
+    orders: dict[int, list[int]] = {}
+
+    def row(k: int) -> int:
+        epoch = k // n
+        if epoch not in orders:
+            orders[epoch] = (torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+                             .tolist() if shuffle else list(range(n)))
+        return orders[epoch][k % n]
+
+    picked = torch.tensor([row(k) for k in range(first, first + per_rank)])
+    out = []
+    for i in range(0, per_rank, micro_batch_size):
+        mb = {key: value[picked[i:i + micro_batch_size]] for key, value in rows.items()}
+        mb["loss_mask"], mb["loss_count"] = loss_weights(mb["loss_mask"], mb["document"], average)
+        out.append(mb)
+    return out
+
+
+def loss_weights(loss_mask: Any, document: Any, average: str) -> tuple[Any, Any]:
+    """(weights, count) of a micro-batch: per token, the mask and its sum; per sample, each conversation's
+    loss tokens weighted 1 / their number, and the number of conversations with a loss token."""
+    import torch
+
+    mask = loss_mask.float()
+    if average == "token":
+        return mask, mask.sum().round().int()
+    if document is None:  # one sample per row
+        document = torch.zeros_like(mask, dtype=torch.long)
+    # a conversation is (row, document id): number them across the micro-batch
+    key = torch.arange(mask.shape[0]).unsqueeze(1) * (int(document.max()) + 2) + document + 1
+    sizes = torch.zeros(int(key.max()) + 1).index_add_(0, key.view(-1), mask.view(-1))
+    per_token = sizes[key]
+    weights = torch.where(mask > 0, mask / per_token.clamp(min=1), torch.zeros_like(mask))
+    return weights, torch.tensor(int((sizes > 0).sum()), dtype=torch.int)
+
+
+def loss_by_split(token_losses: Any, loss_mask: Any, micro_batch_sizes: Sequence[int]) -> dict[int, dict[str, float]]:
+    """The loss of one global batch ([rows, seq] per-token losses and 0/1 mask) as each micro-batch size
+    would report it: per token over the whole batch (Megatron-Core's per-token loss: the same for every
+    split) and as the mean of micro-batch means (what a loop that averages per micro-batch reports and
+    trains on: rows with fewer loss tokens weigh more, by an amount that depends on the split)."""
+    losses, mask = token_losses.double(), loss_mask.double()
+    out = {}
+    for size in micro_batch_sizes:
+        means = [float((losses[i:i + size] * mask[i:i + size]).sum() / mask[i:i + size].sum())
+                 for i in range(0, losses.shape[0], size)]
+        out[size] = {"per_token": float((losses * mask).sum() / mask.sum()), "mean_of_means": sum(means) / len(means)}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Looking at the data and at what the model learnt
+# --------------------------------------------------------------------------------------------------
+def audit(tokenizer, samples: Sequence[Sample], conversations: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """What the loss masks train, checked against the conversations' text: for each sample the trained
+    tokens must decode to its assistant turns, each followed by the end-of-turn token, and nothing else
+    (a prompt token in the loss, or a missing end token, breaks the equality); and no sample may start
+    with two BOS tokens."""
+    by_line = {c.get("line", 0): c for c in conversations}
+    out = {"samples": len(samples), "assistant_turns": 0, "end_tokens_trained": 0, "mismatched_samples": 0,
+           "double_bos": 0}
+    end, bos = tokenizer.eos_token or "", tokenizer.bos_token_id
+    for sample in samples:
+        answers = [m["content"] for m in by_line[sample.line]["messages"] if m["role"] == "assistant"]
+        trained = [i for i, m in zip(sample.ids, sample.loss_mask) if m]
+        out["assistant_turns"] += len(answers)
+        out["end_tokens_trained"] += trained.count(tokenizer.eos_token_id)
+        out["mismatched_samples"] += tokenizer.decode(trained) != "".join(a + end for a in answers)
+        out["double_bos"] += bos is not None and sample.ids[:2] == [bos, bos]
+    return out
+
+
+def mask_html(tokenizer, sample: Sample) -> str:
+    """One sample's tokens as HTML: trained tokens (the loss mask) on green, the rest on grey, each token boxed."""
+    import html
+
+    cells = []
+    for token, trained in zip(sample.ids, sample.loss_mask):
+        text = html.escape(tokenizer.decode([token])).replace("\n", "\u21b5")
+        colour = "#b7e4b0" if trained else "#e6e6e6"
+        cells.append(f'<span style="background:{colour};border:1px solid #fff;padding:1px 2px;'
+                     f'font-family:monospace;white-space:pre">{text}</span>')
+    legend = ('<p><span style="background:#b7e4b0;padding:1px 4px">in the loss</span> '
+              '<span style="background:#e6e6e6;padding:1px 4px">not in the loss</span></p>')
+    return legend + "<p style='line-height:2'>" + "".join(cells) + "</p>"
+
+
+def follows(records: Sequence[dict[str, Any]], pattern: str, answers: Sequence[str] | None = None) -> dict[str, float]:
+    """How generated completions (`generate.generate` records) follow a taught format: the fraction that ended
+    their turn (finish_reason "eos"), that match `pattern` in full, and that equal `answers` (if given)."""
+    import re
+
+    n = len(records)
+    out = {"ends_turn": sum(r["finish_reason"] == "eos" for r in records) / n,
+           "format": sum(bool(re.fullmatch(pattern, r["completion"].strip())) for r in records) / n}
+    if answers is not None:
+        out["correct"] = sum(r["completion"].strip() == a for r, a in zip(records, answers)) / n
+    return out

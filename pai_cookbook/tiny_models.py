@@ -32,12 +32,14 @@ def randomise_(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
 @nodes.node0_only
 def make_tiny_hf_model(family: str, folder: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                        max_shard_size: str = DEFAULT_SHARD_SIZE, tokenizer_dir: str | Path | None = None,
-                       **config_overrides) -> Path:
+                       chat_template: str | None = None, **config_overrides) -> Path:
     """Write a tiny, randomly initialised Hugging Face checkpoint of `family` (with a tokenizer) to `folder`.
 
     Args:
         tokenizer_dir: a Hugging Face tokenizer folder to give the model (its vocabulary size with it);
             None: the cookbook's 256-token tiny tokenizer.
+        chat_template: a Jinja chat template the tokenizer carries from then on (into checkpoints,
+            inference and export); None keeps the tokenizer's own.
     Returns:
         The folder, loadable with AutoModelForCausalLM / AutoTokenizer and by `pai_cookbook.convert`.
     """
@@ -53,5 +55,7 @@ def make_tiny_hf_model(family: str, folder: str | Path, *, seed: int = 0, dtype:
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     randomise_(model, seed)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if chat_template is not None:
+        tiny_tokenizer.chat_template = chat_template
     tiny_tokenizer.save_pretrained(folder)
     return folder

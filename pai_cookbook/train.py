@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pai_cookbook import data
+from pai_cookbook import data, sft
 from pai_cookbook.core import checkpoint, layout, nodes, runtime
 from pai_cookbook.core import launch as launcher
 from pai_cookbook.core.config import ConfigError, RunConfig
@@ -45,6 +45,8 @@ def preflight(config: RunConfig, world_size: int) -> None:
     ckpt = config.checkpoint
     if config.data.source == "indexed":
         data.check_for_training(config)
+    elif config.data.source == "sft":
+        sft.check_for_training(config)
     if ckpt.load_dir:
         loaded, _ = checkpoint.read_config(ckpt.load_dir)
         differ = [f.name for f in dataclasses.fields(loaded)

@@ -42,9 +42,9 @@ def run_scenario(tmp_path):
                              run_dir=tmp_path / f"run{next(counter)}",
                              env={"PAI_COOKBOOK_COMPAT_SKIP": skip}, echo=False, show_progress=False)
 
-    def run_layouts(configs: list[RunConfig], nproc: int) -> list[dict]:
+    def run_layouts(configs: list[RunConfig], nproc: int, scenario: str = "layouts") -> list[dict]:
         """Train each config in one launch of `nproc` processes (parallel state rebuilt per config)."""
-        job = Scenario(config=configs[0], scenario="layouts", layouts=configs)
+        job = Scenario(config=configs[0], scenario=scenario, layouts=configs)
         return launch.launch(job, nproc_per_node=nproc, run_dir=tmp_path / f"run{next(counter)}", echo=False,
                              show_progress=False)["runs"]
 

@@ -106,6 +106,26 @@ def check_extend(m: dict) -> None:
     assert m["round_trip_bitwise_identical"]
 
 
+def check_sft(m: dict) -> None:
+    # Masks, on every conversation of the notebook's set: the template's assistant mask and the boundary scan
+    # agree on all of them; the trained tokens of each decode to exactly its answers and their end tokens
+    # (no prompt token, no end token left out); no double BOS; nothing dropped.
+    assert m["cross_checked"] == m["conversations"] == m["audit_samples"] and m["disagreements"] == 0
+    assert m["audit_mismatched_samples"] == 0 and m["audit_double_bos"] == 0
+    assert m["audit_end_tokens_trained"] == m["audit_assistant_turns"] > m["conversations"]
+    # Packing (measured 98.4% real tokens packed, 12.0% padded).
+    assert m["packed_efficiency"] >= 0.95 > m["padded_efficiency"] * 2
+    # It learns; the exported model's validation loss from transformers (padding-free, per token) equals
+    # the run's (measured 1.5e-6 apart).
+    assert m["final_loss"] < m["first_loss"] - 5 and m["final_valid_loss"] < m["first_valid_loss"]
+    assert abs(m["hf_valid_loss"] - m["final_valid_loss"]) <= 1e-4
+    # Held-out questions: ends its turn and follows the format (measured 100% and 100%, from 0% and 0%).
+    assert m["after_ends_turn"] >= 0.95 and m["after_format"] >= m["before_format"] + 0.5
+    # The per-token mean is one number for every split; the mean of micro-batch means is not (measured +2.5%).
+    assert max(m["split_per_token"]) - min(m["split_per_token"]) <= 1e-9
+    assert max(abs(x / m["split_per_token"][0] - 1) for x in m["split_mean_of_means"]) > 1e-3
+
+
 # Notebooks executed twice into one OUTPUT_DIR, first with these parameters, then with their defaults.
 RESUME_FIRST = {"TRAIN_ITERS": 100}
 RUN_TWICE = {"03_continued_pretraining": RESUME_FIRST}
@@ -117,6 +137,7 @@ CHECKS = {
     "03_continued_pretraining": check_pretraining,
     "04_fp8_convergence": check_fp8,
     "05_moe": check_moe,
+    "06_supervised_finetuning": check_sft,
     "07_inference": check_inference,
 }
 

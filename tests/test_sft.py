@@ -4,10 +4,11 @@ with their line, truncation counted, first-fit-decreasing packing."""
 import json
 
 import pytest
+import torch
 
 from pai_cookbook import sft, smollm2
 from pai_cookbook.core import tokenizer
-from pai_cookbook.core.config import DataConfig
+from pai_cookbook.core.config import CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig
 from tests.conftest import tiny_run
 
 CONVERSATION = {"line": 1, "messages": [
@@ -51,13 +52,19 @@ def test_bad_records_are_named_with_their_line(tmp_path):
     assert [t["role"] for t in sft.read(path)[0]["messages"]] == ["system", "user", "assistant"]
 
 
-def test_templates_that_cannot_mark_or_stop_are_refused(smol):
+def test_templates_that_cannot_mark_or_stop_are_refused(smol, tmp_path):
     counting = "{{ messages | length }}" + sft.CHATML  # the text of a turn depends on the turns after it
     with pytest.raises(sft.SFTError, match="prefixes of its turns"):
         sft.encode(smol, CONVERSATION, counting)
     no_end = sft.CHATML.replace("'<|im_end|>' }}{% endgeneration %}", "'' }}{% endgeneration %}")
     with pytest.raises(sft.SFTError, match="never learns to stop"):
         sft.encode(smol, CONVERSATION, no_end)
+    # markers around the newline after the end token too: transformers' mask and the boundary scan disagree
+    wide = sft.CHATML.replace("{% endgeneration %}{{ '\\n' }}", "{{ '\\n' }}{% endgeneration %}")
+    assert wide != sft.CHATML and sft.encode(smol, CONVERSATION, wide).template_agrees is False
+    with pytest.raises(sft.SFTError, match="mark different tokens"):
+        sft.prepare([CONVERSATION, CONVERSATION], tmp_path / "set", smollm2.hf_folder(), seq_length=64, template=wide)
+    assert not (tmp_path / "set").exists()
 
 
 def test_long_conversations_are_dropped_or_truncated_and_counted(smol):
@@ -91,3 +98,110 @@ def test_a_packed_row_computes_each_conversation_as_it_is_alone(run_scenario):
     assert figures["rows"] < figures["conversations"]  # packing shared rows
     assert figures["max_abs_diff"] <= 1e-5, figures
     assert figures["max_abs_diff_without_boundaries"] > 1e-2, figures  # the comparison can fail
+
+
+@pytest.fixture(scope="module")
+def packed_set(tmp_path_factory):
+    """24 random conversations of 5-60 ids (length-skewed), the first ~40% of each a prompt outside the loss,
+    in the tiny model's 256-token vocabulary: 20 packed into 64-position rows for training, 4 held out."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 61, (24,), generator=generator).tolist()
+    samples = [sft.Sample(ids=torch.randint(3, 256, (n,), generator=generator).tolist(),
+                          loss_mask=[i >= 0.4 * n for i in range(n)], line=k + 1) for k, n in enumerate(lengths)]
+    folder = tmp_path_factory.mktemp("sft") / "set"
+    summary = sft.write(folder, {"train": samples[:20], "valid": samples[20:]}, 64, pad_id=0, vocab_size=256)
+    assert summary["train"]["rows"] < 20 and summary["train"]["efficiency"] > summary["train"]["padded_efficiency"]
+    return folder
+
+
+def _sft_run(folder, micro_batch_size=8, global_batch_size=8, **fields):
+    return tiny_run(data=DataConfig(source="sft", paths=[str(folder)], seq_length=64, micro_batch_size=micro_batch_size,
+                                    global_batch_size=global_batch_size,
+                                    loss_average=fields.pop("loss_average", "token")), **fields)
+
+
+@pytest.mark.multiproc
+def test_one_global_batch_has_the_same_loss_and_gradients_at_every_split(packed_set, run_scenario):
+    """Megatron-Core's per-token loss: micro-batches 1x8, 4x2, 8x1 and DP=2 (4 and 1 per rank) give one global
+    batch the same loss and the same gradient of every parameter (fp32, relative to the largest gradient),
+    per token and per sample. The same rows averaged per micro-batch would not (`loss_by_split`)."""
+    splits = [8, 2, 1]
+    one = run_scenario.layouts([_sft_run(packed_set, m) for m in splits]
+                               + [_sft_run(packed_set, m, loss_average="sample") for m in (8, 1)], 1, "grads")
+    two = run_scenario.layouts([_sft_run(packed_set, m) for m in (4, 1)], 2, "grads")
+    reference = one[0]
+    scale = max(abs(g) for g in reference["grads"])
+    for run in one[1:3] + two:
+        assert run["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert max(abs(a - b) for a, b in zip(run["grads"], reference["grads"])) <= 1e-5 * scale
+    per_sample, per_sample_8x1 = one[3:]
+    assert per_sample_8x1["loss"] == pytest.approx(per_sample["loss"], rel=1e-5)
+    assert max(abs(a - b) for a, b in zip(per_sample_8x1["grads"], per_sample["grads"])) <= 1e-5 * scale
+    # the two averages weigh tokens differently (a random model's token losses are all near ln 256, so the
+    # losses barely differ; the gradients do)
+    assert max(abs(a - b) for a, b in zip(per_sample["grads"], reference["grads"])) > 0.1 * scale, (
+        max(abs(a - b) for a, b in zip(per_sample["grads"], reference["grads"])) / scale)
+
+
+def test_the_mean_of_micro_batch_means_changes_with_the_split():
+    losses = torch.rand(8, 16, generator=torch.Generator().manual_seed(0)) * 4
+    mask = (torch.arange(16) < torch.tensor([16, 2, 9, 16, 4, 12, 1, 7])[:, None]).float()  # loss tokens per row
+    by_split = sft.loss_by_split(losses, mask, [8, 4, 1])
+    assert len({round(v["per_token"], 12) for v in by_split.values()}) == 1
+    assert by_split[8]["mean_of_means"] == pytest.approx(by_split[8]["per_token"])
+    assert abs(by_split[1]["mean_of_means"] - by_split[8]["per_token"]) > 1e-2
+    weights, count = sft.loss_weights(mask, None, "sample")
+    assert int(count) == 8 and torch.allclose(weights.sum(1), torch.ones(8))
+
+
+@pytest.mark.multiproc
+def test_packed_training_at_tp2_and_pp2_matches_one_process_for_20_steps(packed_set, run_scenario):
+    """Packed rows, block-diagonal attention: TP=2 and PP=2 train as one process does (losses and validation
+    losses within 1e-4). At PP=2 the second stage's layers need the conversation boundaries too; without
+    them a packed row's logits move by more than 1e-2 (test_a_packed_row_computes_each_conversation_as_it_is_alone)."""
+    def config(parallel):
+        return _sft_run(packed_set, 2, parallel=parallel, train_iters=20, eval_interval=10, eval_iters=1,
+                        optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2))
+
+    reference = run_scenario(config(ParallelConfig()), 1)
+    assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it learns
+    layouts = [ParallelConfig(tensor_model_parallel_size=2), ParallelConfig(pipeline_model_parallel_size=2)]
+    for parallel, other in zip(layouts, run_scenario.layouts([config(p) for p in layouts], 2)):
+        assert other["losses"] == pytest.approx(reference["losses"], abs=1e-4), parallel
+        assert [v for _, v in other["valid_losses"]] == pytest.approx([v for _, v in reference["valid_losses"]], abs=1e-4)
+
+
+def test_per_token_losses_of_packed_rows_match_transformers_padding_free(packed_set, run_scenario, tmp_path):
+    """The same weights in Megatron-Core (packed rows, block-diagonal mask, positions running on across
+    conversations) and in transformers (each row's conversations end to end, positions restarting at each,
+    use_cache=False): every loss position within 1e-4 in fp32 (measured 9.5e-7)."""
+    from pai_cookbook import convert, hf_baseline
+    from pai_cookbook.tiny_models import make_tiny_hf_model
+
+    hf = make_tiny_hf_model("llama", tmp_path / "hf")
+    convert.hf_to_megatron(hf, tmp_path / "mcore", run_dir=tmp_path / "convert")
+    config = _sft_run(packed_set, checkpoint=CheckpointConfig(load_dir=str(tmp_path / "mcore")))
+    result = run_scenario(config, scenario="token_losses")
+    megatron = torch.tensor(result["losses"])
+    rows = {k: v[result["rows"]] for k, v in sft.load(packed_set, "train").items()}
+    (reference,) = hf_baseline.hf_packed_token_losses(hf, [rows])
+    real = rows["document"] >= 0
+    assert (rows["document"].amax(1) >= 1).all()  # two or more conversations in every row
+    assert (megatron[real] - reference[real]).abs().max() <= 1e-4, float((megatron[real] - reference[real]).abs().max())
+
+
+def test_a_set_that_does_not_fit_the_run_is_refused_before_launch(packed_set, tmp_path):
+    from pai_cookbook import train
+
+    cases = {"packed into rows of 64 positions, the run's seq_length is 32":
+             tiny_run(data=DataConfig(source="sft", paths=[str(packed_set)], seq_length=32)),
+             "fewer than one global batch": _sft_run(packed_set, 8, 64),
+             "not a prepared SFT set": _sft_run(tmp_path)}
+    for message, config in cases.items():
+        with pytest.raises(sft.SFTError, match=message):
+            train.run(config, run_dir=tmp_path / "run")
+        assert not (tmp_path / "run").exists()
+    with pytest.warns(UserWarning, match=r"1 of 2 conversations dropped .* lines \[2\]"):
+        summary = sft.prepare([CONVERSATION, CONVERSATION | {"line": 2, "messages": CONVERSATION["messages"] * 9}],
+                              tmp_path / "set", smollm2.hf_folder(), seq_length=64, valid_fraction=0.0)
+    assert summary["counts"]["dropped_lines"] == [2] and summary["train"]["conversations"] == 1

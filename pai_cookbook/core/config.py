@@ -223,11 +223,18 @@ class DataConfig:
     """Samples per forward/backward on one data-parallel rank."""
     global_batch_size: int = 8
     """Samples per optimizer step over all DP ranks; accumulation = global / (micro x DP)."""
-    source: Literal["synthetic", "indexed"] = "synthetic"
-    """'indexed': Megatron-Core GPT datasets made by `data.prepare` (`paths`); 'synthetic': seeded
-    arithmetic progressions (learnable), the same on every layout, for smoke tests and parity checks."""
+    source: Literal["synthetic", "indexed", "sft"] = "synthetic"
+    """'indexed': Megatron-Core GPT datasets made by `data.prepare` (`paths`); 'sft': conversations made
+    by `sft.prepare` (one folder in `paths`: packed rows, answer-only loss masks, epochs reshuffled);
+    'synthetic': seeded arithmetic progressions (learnable), the same on every layout, for smoke tests and
+    parity checks."""
     paths: list[str] = field(default_factory=list)
-    """Dataset prefixes written by `data.prepare` (without .bin/.idx), with source='indexed'."""
+    """Dataset prefixes written by `data.prepare` (without .bin/.idx), with source='indexed'; the folder
+    written by `sft.prepare`, with source='sft'."""
+    loss_average: Literal["token", "sample"] = "token"
+    """The loss of a global batch: the mean over all its loss tokens ('token', Megatron-Core's per-token
+    loss), or the mean over its samples of each sample's mean ('sample': a short answer weighs as much as
+    a long one). Either is the same for any micro-batch split and DP size."""
     weights: list[float] | None = None
     """Blend weights, one per path (normalised by Megatron-Core); None blends by size."""
     split: str = "98,2,0"
@@ -237,6 +244,10 @@ class DataConfig:
         _positive(self, "seq_length", "micro_batch_size", "global_batch_size")
         _require(self.source != "indexed" or self.paths,
                  "source='indexed' needs paths: the dataset prefixes written by data.prepare(...).")
+        _require(self.source != "sft" or len(self.paths) == 1,
+                 f"source='sft' needs paths=[one folder written by sft.prepare(...)], got {self.paths}.")
+        _require(self.loss_average in ("token", "sample"),
+                 f"loss_average={self.loss_average!r}; use 'token' or 'sample'.")
         _require(self.weights is None or len(self.weights) == len(self.paths),
                  f"weights has {len(self.weights or [])} entries for {len(self.paths)} paths; give one per path.")
         parts = self.split.split(",")

@@ -47,12 +47,32 @@ def synthetic_batches(config: RunConfig, step: int, dp_rank: int, dp_size: int) 
              "loss_mask": torch.ones(mb.shape[0], data.seq_length)} for mb in mine.split(data.micro_batch_size)]
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def _loss_func(loss_mask: torch.Tensor, count: torch.Tensor, scale: float, output_tensor: torch.Tensor):
+    """The micro-batch's weighted loss sum times `scale` (`_per_token_scale`), and its sum and count to report."""
     losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum()
-    # clone: the schedule divides `loss` in place by the number of micro-batches after this returns.
-    return loss, {"lm loss": loss.detach().clone()}
+    total = torch.sum(losses * loss_mask.view(-1).float())
+    report = torch.stack([total.detach().clone(), count.to(total)])
+    return total * scale, {"lm loss": report}
+
+
+def _per_token_scale(batches: list[dict[str, torch.Tensor]]) -> float:
+    """What turns a micro-batch's loss sum into its share of the global batch's per-token (or per-sample)
+    mean: micro-batches x DP / the global batch's loss count. Megatron-Core's schedule then divides by the
+    micro-batches and DDP averages over DP, so the gradient is d(global sum) / (global count) for any
+    split and DP size (tests/test_sft.py: 1x8, 4x2, 8x1, DP=2 within 1e-5).
+
+    Megatron-Core's own `calculate_per_token_loss` does the same after the fact, but 0.16 rescales MoE aux
+    losses by the local token count, which under sequence parallelism changed the router's training
+    (TP2 x EP2: a token in 512 routed differently from step 1, losses 8e-5 apart instead of 2.4e-7,
+    measured); counting the global batch before its forward keeps the aux losses on the default path.
+    """
+    from megatron.core import parallel_state as ps
+
+    count = torch.tensor([float(sum(int(b["loss_count"]) for b in batches))], dtype=torch.float64)
+    if torch.cuda.is_available():
+        count = count.cuda()
+    torch.distributed.all_reduce(count, group=ps.get_data_parallel_group())
+    return len(batches) * ps.get_data_parallel_world_size() / max(float(count.item()), 1.0)
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
@@ -64,7 +84,7 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     # packed SFT rows carry which conversation each position belongs to; attention stays inside each
     mask = sft.attention_mask(batch["document"].to(device)) if "document" in batch else None
     output = model(tokens, position_ids, attention_mask=mask, labels=labels)
-    return output, partial(_loss_func, batch["loss_mask"].to(device))
+    return output, partial(_loss_func, batch["loss_mask"].to(device), batch["loss_count"], batch["loss_scale"])
 
 
 def build(config: RunConfig, device: DeviceInfo):
@@ -100,37 +120,46 @@ def build(config: RunConfig, device: DeviceInfo):
 
 
 def _global_mean_loss(reports: list[dict[str, torch.Tensor]]) -> float:
-    """Mean LM loss of the whole global batch, available on every rank.
+    """Loss of the whole global batch (its loss sum over its count), available on every rank.
 
-    Losses exist on the last pipeline stage only; each DP replica's TP-rank-0 contributes its mean / DP
-    and one all-reduce over the world adds them up.
+    Losses exist on the last pipeline stage only; each DP replica's TP-rank-0 contributes its sums and
+    counts, and one all-reduce over the world adds them up.
     """
     from megatron.core import parallel_state as ps
 
-    value = torch.zeros(1, dtype=torch.float64)
+    value = torch.zeros(2, dtype=torch.float64)
     if reports and ps.get_tensor_model_parallel_rank() == 0:
-        mean = torch.stack([r["lm loss"].double().cpu() for r in reports]).mean()
-        value += mean / ps.get_data_parallel_world_size()
+        value += torch.stack([r["lm loss"].double().cpu() for r in reports]).sum(0)
     if torch.cuda.is_available():
         value = value.cuda()
     torch.distributed.all_reduce(value)
-    return float(value.item())
+    return float(value[0] / value[1].clamp(min=1))
 
 
-def micro_batches(config: RunConfig, dataset: Any, step: int) -> list[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of global batch `step`, from the dataset or the synthetic source."""
+def micro_batches(config: RunConfig, dataset: Any, step: int, shuffle: bool = True) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of global batch `step`, from the dataset or the synthetic source (an SFT
+    set's rows are reshuffled every epoch when `shuffle`; validation reads them in order)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    gbs, mbs = config.data.global_batch_size, config.data.micro_batch_size
     if dataset is None:
-        return synthetic_batches(config, step, dp_rank, dp_size)
-    return data.global_batch(dataset, step, config.data.global_batch_size, config.data.micro_batch_size,
-                             dp_rank, dp_size)
+        batches = synthetic_batches(config, step, dp_rank, dp_size)
+    elif config.data.source == "sft":
+        return sft.global_batch(dataset, step, gbs, mbs, dp_rank, dp_size, config.seed, config.data.loss_average,
+                                shuffle)
+    else:
+        batches = data.global_batch(dataset, step, gbs, mbs, dp_rank, dp_size)
+    for mb in batches:  # pretraining rows: every position is one sample's token
+        mb["loss_mask"], mb["loss_count"] = sft.loss_weights(mb["loss_mask"], None, config.data.loss_average)
+    return batches
 
 
 def _forward_backward(config: RunConfig, model, batches: list[dict[str, torch.Tensor]], forward_only: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    scale = _per_token_scale(batches)
+    batches = [b | {"loss_scale": scale} for b in batches]
     # One iterator per model chunk: with virtual pipeline each chunk consumes the same micro-batches.
     iterators = [iter(batches) for _ in model]
     return get_forward_backward_func()(
@@ -150,7 +179,7 @@ def evaluate(config: RunConfig, model, dataset: Any) -> float:
     for chunk in model:
         chunk.eval()
     with torch.no_grad():
-        losses = [_global_mean_loss(_forward_backward(config, model, micro_batches(config, dataset, i), True))
+        losses = [_global_mean_loss(_forward_backward(config, model, micro_batches(config, dataset, i, False), True))
                   for i in range(config.eval_iters)]
     for chunk in model:
         chunk.train()
@@ -239,6 +268,9 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
     train_set = valid_set = None
     if config.data.source == "indexed":
         train_set, valid_set = data.build_datasets(config, config.eval_iters)
+    elif config.data.source == "sft":
+        train_set = sft.load(config.data.paths[0], "train")
+        valid_set = sft.load(config.data.paths[0], "valid") if config.eval_interval else None
     ckpt, dtype = config.checkpoint, torch_dtype(config.precision)
     assets = Path(ckpt.load_dir) / checkpoint.HF_ASSETS if ckpt.load_dir else _dataset_tokenizer(config)
     tokens_per_step = config.data.global_batch_size * config.data.seq_length
@@ -304,9 +336,10 @@ def _dataset_tokenizer(config: RunConfig) -> Path | None:
     export need it). Staged once as save_dir/tokenizer (tokenizer files only: the folder's config.json
     describes another model); None when it is gone or changed since the dataset was prepared."""
     ckpt = config.checkpoint
-    if config.data.source != "indexed" or not ckpt.save_dir:
+    if config.data.source == "synthetic" or not ckpt.save_dir:
         return None
-    summary = data.describe(config.data.paths[0])
+    describe = sft.describe if config.data.source == "sft" else data.describe
+    summary = describe(config.data.paths[0])
     source = Path(summary["tokenizer"])
     if not source.exists() or tokenizer.fingerprint(source) != summary.get("tokenizer_sha256"):
         return None

@@ -9,6 +9,10 @@ Job: Scenario(config, scenario, layouts)
   module_types build the model of config and list the class names of its modules (which layers a device gets)
   packed_logits the same random conversations packed into shared rows and padded one per row: logits per
                conversation, with the block-diagonal mask and (negative control) without it
+  grads        per config in `layouts`: one global batch's forward/backward (no optimizer step), its loss
+               and every parameter's final gradient (after the DP all-reduce and the per-token scaling)
+  token_losses the checkpoint config.checkpoint.load_dir's per-token losses of the first 4 training rows of
+               the SFT set config.data.paths[0], packed, with the block-diagonal mask
   fp8_scales   two forward/backward passes of one batch at the loaded weights, no optimizer step; then each
                FP8 GEMM's delayed-scaling scales, from Transformer Engine or from the emulated backend
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
@@ -97,6 +101,23 @@ def packed_logits(config: RunConfig, device) -> dict:
             "max_abs_diff_without_boundaries": diffs["unmasked"]}
 
 
+def token_losses(config: RunConfig, device) -> dict:
+    from pai_cookbook import sft
+    from pai_cookbook.core import checkpoint
+
+    model, _ = checkpoint.read_config(config.checkpoint.load_dir)
+    (gpt,) = build_model(model, config.parallel, config.precision, device, config.seed)
+    checkpoint.load([gpt], config.checkpoint.load_dir)
+    gpt.eval()
+    rows = sft.load(config.data.paths[0], "train")
+    picked = rows["document"].amax(1).argsort(descending=True, stable=True)[:4]  # the most conversations per row
+    rows = {k: v[picked] for k, v in rows.items()}
+    positions = torch.arange(rows["tokens"].shape[1]).unsqueeze(0).expand_as(rows["tokens"])
+    with torch.no_grad():
+        losses = gpt(rows["tokens"], positions, attention_mask=sft.attention_mask(rows["document"]), labels=rows["labels"])
+    return {"rows": picked.tolist(), "losses": losses.float().tolist()}
+
+
 def fp8_scales(config: RunConfig, device) -> dict:
     from pai_cookbook.workers.train import _forward_backward, _restore, build, micro_batches
 
@@ -120,6 +141,20 @@ def fp8_scales(config: RunConfig, device) -> dict:
     return {"scales": scales}
 
 
+def grads(configs: list[RunConfig]) -> dict:
+    from pai_cookbook import sft
+    from pai_cookbook.workers.train import _forward_backward, _global_mean_loss, build, micro_batches
+
+    out = []
+    for config, device in zip(configs, runtime.each_layout((c.parallel, c.seed) for c in configs)):
+        model, _, _ = build(config, device)
+        rows = sft.load(config.data.paths[0], "train")
+        loss = _global_mean_loss(_forward_backward(config, model, micro_batches(config, rows, 0), False))
+        flat = torch.cat([p.main_grad.detach().float().view(-1) for p in model[0].module.parameters()])
+        out.append({"loss": loss, "grads": flat.tolist()})
+    return {"runs": out}
+
+
 def layouts(configs: list[RunConfig]) -> dict:
     devices = runtime.each_layout((c.parallel, c.seed) for c in configs)
     return {"runs": [train(config, device) for config, device in zip(configs, devices)]}
@@ -141,9 +176,9 @@ class Scenario(worker.Job):
 @worker.entry(Scenario)
 def main(job: Scenario) -> dict:
     config = job.config
-    if job.scenario == "layouts":
+    if job.scenario in ("layouts", "grads"):
         with worker.session():
-            return layouts(job.layouts)
+            return layouts(job.layouts) if job.scenario == "layouts" else grads(job.layouts)
     with worker.session(config.parallel, config.seed) as device:
         if job.scenario == "rng":
             return rng(config)
@@ -153,6 +188,8 @@ def main(job: Scenario) -> dict:
             return module_types(config, device)
         if job.scenario == "packed_logits":
             return packed_logits(config, device)
+        if job.scenario == "token_losses":
+            return token_losses(config, device)
         if job.scenario == "fp8_scales":
             return fp8_scales(config, device)
         return train(config, device)
