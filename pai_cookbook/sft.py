@@ -275,6 +275,23 @@ def batch(samples: Sequence[Sample], rows: Sequence[Sequence[int]], seq_length: 
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "document": document}
 
 
+def thd(batch: dict[str, Any]) -> dict[str, Any]:
+    """A micro-batch of packed rows as Megatron-Core's THD packed sequence (Transformer Engine): the rows
+    laid end to end as one row, `cu_seqlens` the offsets where each conversation (and each row's padding
+    tail) starts, plus the total, and `max_seqlen` the longest. Attention and rotary positions then restart
+    at every offset; per-position tensors keep their order, so losses line up with the loss mask."""
+    import torch
+
+    rows, seq = batch["tokens"].shape
+    segment = (torch.arange(rows)[:, None] * (seq + 1) + batch["document"] + 1).reshape(-1)  # unique per (row, doc)
+    starts = torch.ones_like(segment, dtype=torch.bool)
+    starts[1:] = segment[1:] != segment[:-1]
+    cu_seqlens = torch.cat([torch.nonzero(starts).view(-1), torch.tensor([rows * seq])]).to(torch.int32)
+    out = {key: value.reshape(1, -1) if torch.is_tensor(value) and value.dim() == 2 else value
+           for key, value in batch.items() if key != "document"}
+    return out | {"cu_seqlens": cu_seqlens, "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max())}
+
+
 def attention_mask(document: Any) -> Any:
     """Megatron-Core's boolean attention mask [batch, 1, seq, seq] (True: masked) that keeps attention causal
     and inside each conversation of a packed row; a padding position sees only itself.

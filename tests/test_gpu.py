@@ -22,6 +22,7 @@ from pai_cookbook.core.config import CheckpointConfig, DataConfig, FP8Config, Op
 from pai_cookbook.generate import GenerationConfig
 from pai_cookbook.tiny_models import make_tiny_hf_model
 from tests.conftest import tiny_run
+from tests.workers.scenarios import Scenario
 
 DEVICE = runtime.detect_device()
 pytestmark = [pytest.mark.gpu,
@@ -189,3 +190,16 @@ def test_transformer_engine_fp8_trains_within_the_bf16_seed_band(tmp_path, recor
     record({"band_mean": band["mean"], "band_spread": band["spread"], "tokens_per_s": speed} | verdict)
     assert all(results[f"fp8 {seed}"]["fp8_backend"] == "te" for seed in (1, 2, 3))
     assert verdict["ok"], verdict
+
+
+@needs_te
+def test_packed_rows_on_transformer_engine_compute_each_conversation_alone(tmp_path, record):
+    """Megatron-Core's THD packed sequences (cu_seqlens) on the TE spec: each conversation of a packed row gets
+    the logits it has alone in a padded row, and without the boundaries it does not. bf16 (TE's fused
+    attention has no fp32 THD kernel), so the bound is bf16 rounding of logits near 1 (2^-8 = 0.004, x4 for
+    accumulation over the layers), not the CPU test's 1e-5."""
+    config = tiny_run(precision=BF16, data=DataConfig(seq_length=64, micro_batch_size=1, global_batch_size=1))
+    figures = launch.launch(Scenario(config=config, scenario="packed_logits"), run_dir=tmp_path / "run", **QUIET)
+    record(figures)
+    assert figures["thd"], "the TE spec should have taken the THD path"
+    assert figures["max_abs_diff"] <= 0.016 and figures["max_abs_diff_without_boundaries"] > 0.1, figures

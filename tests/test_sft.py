@@ -78,6 +78,15 @@ def test_long_conversations_are_dropped_or_truncated_and_counted(smol):
     assert samples == [] and counts.dropped_no_loss == 1 and counts.cross_checked == 1 and counts.disagreements == []
 
 
+def test_thd_lays_rows_end_to_end_with_each_conversations_offsets():
+    samples = [sft.Sample(ids=list(range(1, n + 1)), loss_mask=[True] * n) for n in (5, 3, 7, 2)]
+    batch = sft.batch(samples, [[0, 1], [2, 3]], 8, pad_id=0)  # row 0: 4 + 2 positions + 2 padding; row 1: 6 + 1 + 1
+    flat = sft.thd(batch | {"loss_count": torch.tensor(4)})
+    assert flat["cu_seqlens"].tolist() == [0, 4, 6, 8, 14, 15, 16] and flat["max_seqlen"] == 6
+    assert flat["tokens"].shape == (1, 16) and torch.equal(flat["labels"].view(2, 8), batch["labels"])
+    assert "document" not in flat and int(flat["loss_count"]) == 4
+
+
 def test_first_fit_decreasing_fills_bins_without_splitting_items():
     lengths = [7, 3, 9, 2, 5, 5, 1, 8, 4]
     bins = sft.pack(lengths, 10)

@@ -75,16 +75,39 @@ def _per_token_scale(batches: list[dict[str, torch.Tensor]]) -> float:
     return len(batches) * ps.get_data_parallel_world_size() / max(float(count.item()), 1.0)
 
 
+def model_forward(model: torch.nn.Module, batch: dict[str, Any], labels: bool = True) -> torch.Tensor:
+    """The model on one micro-batch: per-token losses (with `labels`) or logits.
+
+    Packed SFT rows keep attention inside each conversation: with `cu_seqlens` (Transformer Engine, see
+    `_forward_backward`) as Megatron-Core's THD packed sequences; otherwise as the block-diagonal causal mask
+    of their `document` ids (Megatron-Core 0.16's local attention refuses `packed_seq_params`).
+    """
+    device = next(model.parameters()).device
+    tokens = batch["tokens"].to(device)
+    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    mask = packed = None
+    if "cu_seqlens" in batch:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = batch["cu_seqlens"].to(device=device, dtype=torch.int32)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
+    elif "document" in batch:
+        mask = sft.attention_mask(batch["document"].to(device))
+    return model(tokens, position_ids, attention_mask=mask, labels=batch["labels"].to(device) if labels else None,
+                 packed_seq_params=packed)
+
+
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """One micro-batch forward; returns per-token losses and the function that reduces them."""
-    device = next(model.parameters()).device
     batch = next(data_iterator)
-    tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
-    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    # packed SFT rows carry which conversation each position belongs to; attention stays inside each
-    mask = sft.attention_mask(batch["document"].to(device)) if "document" in batch else None
-    output = model(tokens, position_ids, attention_mask=mask, labels=labels)
-    return output, partial(_loss_func, batch["loss_mask"].to(device), batch["loss_count"], batch["loss_scale"])
+    output = model_forward(model, batch)
+    loss_mask = batch["loss_mask"].to(output.device)
+    return output, partial(_loss_func, loss_mask, batch["loss_count"], batch["loss_scale"])
+
+
+def uses_te_attention(model: list[torch.nn.Module]) -> bool:
+    return any(type(m).__name__ == "TEDotProductAttention" for m in model[0].modules())
 
 
 def build(config: RunConfig, device: DeviceInfo):
@@ -160,6 +183,12 @@ def _forward_backward(config: RunConfig, model, batches: list[dict[str, torch.Te
 
     scale = _per_token_scale(batches)
     batches = [b | {"loss_scale": scale} for b in batches]
+    seq_length, micro_batch_size = config.data.seq_length, config.data.micro_batch_size
+    if "document" in batches[0] and uses_te_attention(model):
+        # THD: each micro-batch's rows laid end to end as one sequence with the conversations' boundaries;
+        # the pipeline stages pass activations of that shape ([rows x seq, 1, hidden]) to each other
+        batches = [sft.thd(b) for b in batches]
+        seq_length, micro_batch_size = seq_length * micro_batch_size, 1
     # One iterator per model chunk: with virtual pipeline each chunk consumes the same micro-batches.
     iterators = [iter(batches) for _ in model]
     return get_forward_backward_func()(
@@ -167,9 +196,9 @@ def _forward_backward(config: RunConfig, model, batches: list[dict[str, torch.Te
         data_iterator=iterators if len(model) > 1 else iterators[0],
         model=model if len(model) > 1 else model[0],
         num_microbatches=len(batches),
-        seq_length=config.data.seq_length,
-        micro_batch_size=config.data.micro_batch_size,
-        decoder_seq_length=config.data.seq_length,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=seq_length,
         forward_only=forward_only,
     )
 

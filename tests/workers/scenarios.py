@@ -74,6 +74,7 @@ def module_types(config: RunConfig, device) -> dict:
 
 def packed_logits(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
+    from pai_cookbook.workers.train import model_forward, uses_te_attention
 
     generator = torch.Generator().manual_seed(config.seed)
     lengths = [9, 17, 5, 30, 12, 21, 7, 14]  # ids per conversation; each fills len - 1 positions
@@ -86,24 +87,27 @@ def packed_logits(config: RunConfig, device) -> dict:
     (gpt,) = build_model(config.model, config.parallel, config.precision, device, config.seed)
     gpt.eval()
 
-    def logits(batch, mask):
-        positions = torch.arange(seq).unsqueeze(0).expand_as(batch["tokens"])
-        with torch.no_grad():
-            return gpt(batch["tokens"], positions, attention_mask=mask).float()
+    thd = uses_te_attention([gpt])  # Transformer Engine: THD packed sequences; local spec: the block mask
 
-    alone = logits(padded, sft.attention_mask(padded["document"]))
+    def logits(batch):
+        with torch.no_grad():
+            flat = sft.thd(batch) if thd and "document" in batch else batch
+            return model_forward(gpt, flat, labels=False).float().reshape(*batch["tokens"].shape, -1)
+
+    alone = logits(padded)
     diffs = {}
-    for name, mask in (("masked", sft.attention_mask(packed["document"])), ("unmasked", None)):
-        together = logits(packed, mask)
+    for name, batch in (("masked", packed), ("unmasked", {k: v for k, v in packed.items() if k != "document"})):
+        together = logits(batch)
         diffs[name] = max(float((together[r][packed["document"][r] == d] - alone[i][:lengths[i] - 1]).abs().max())
                           for r, row in enumerate(rows) for d, i in enumerate(row))
-    return {"rows": len(rows), "conversations": len(lengths), "max_abs_diff": diffs["masked"],
+    return {"rows": len(rows), "conversations": len(lengths), "thd": thd, "max_abs_diff": diffs["masked"],
             "max_abs_diff_without_boundaries": diffs["unmasked"]}
 
 
 def token_losses(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
     from pai_cookbook.core import checkpoint
+    from pai_cookbook.workers.train import model_forward, uses_te_attention
 
     model, _ = checkpoint.read_config(config.checkpoint.load_dir)
     (gpt,) = build_model(model, config.parallel, config.precision, device, config.seed)
@@ -112,9 +116,8 @@ def token_losses(config: RunConfig, device) -> dict:
     rows = sft.load(config.data.paths[0], "train")
     picked = rows["document"].amax(1).argsort(descending=True, stable=True)[:4]  # the most conversations per row
     rows = {k: v[picked] for k, v in rows.items()}
-    positions = torch.arange(rows["tokens"].shape[1]).unsqueeze(0).expand_as(rows["tokens"])
     with torch.no_grad():
-        losses = gpt(rows["tokens"], positions, attention_mask=sft.attention_mask(rows["document"]), labels=rows["labels"])
+        losses = model_forward(gpt, sft.thd(rows) if uses_te_attention([gpt]) else rows).reshape(rows["tokens"].shape)
     return {"rows": picked.tolist(), "losses": losses.float().tolist()}
 
 
