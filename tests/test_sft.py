@@ -109,17 +109,30 @@ def test_a_packed_row_computes_each_conversation_as_it_is_alone(run_scenario):
     assert figures["max_abs_diff_without_boundaries"] > 1e-2, figures  # the comparison can fail
 
 
-@pytest.fixture(scope="module")
-def packed_set(tmp_path_factory):
+def _random_samples() -> list:
     """24 random conversations of 5-60 ids (length-skewed), the first ~40% of each a prompt outside the loss,
-    in the tiny model's 256-token vocabulary: 20 packed into 64-position rows for training, 4 held out."""
+    in the tiny model's 256-token vocabulary."""
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 61, (24,), generator=generator).tolist()
-    samples = [sft.Sample(ids=torch.randint(3, 256, (n,), generator=generator).tolist(),
-                          loss_mask=[i >= 0.4 * n for i in range(n)], line=k + 1) for k, n in enumerate(lengths)]
+    return [sft.Sample(ids=torch.randint(3, 256, (n,), generator=generator).tolist(),
+                       loss_mask=[i >= 0.4 * n for i in range(n)], line=k + 1) for k, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def packed_set(tmp_path_factory):
+    """`_random_samples`: 20 packed into 64-position rows for training, 4 held out."""
+    samples = _random_samples()
     folder = tmp_path_factory.mktemp("sft") / "set"
     summary = sft.write(folder, {"train": samples[:20], "valid": samples[20:]}, 64, pad_id=0, vocab_size=256)
     assert summary["train"]["rows"] < 20 and summary["train"]["efficiency"] > summary["train"]["padded_efficiency"]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def padded_set(tmp_path_factory):
+    """The same 20 training conversations, one per row."""
+    folder = tmp_path_factory.mktemp("sft") / "padded"
+    sft.write(folder, {"train": _random_samples()[:20]}, 64, pad_id=0, packed=False, vocab_size=256)
     return folder
 
 
@@ -130,26 +143,34 @@ def _sft_run(folder, micro_batch_size=8, global_batch_size=8, **fields):
 
 
 @pytest.mark.multiproc
-def test_one_global_batch_has_the_same_loss_and_gradients_at_every_split(packed_set, run_scenario):
-    """Megatron-Core's per-token loss: micro-batches 1x8, 4x2, 8x1 and DP=2 (4 and 1 per rank) give one global
-    batch the same loss and the same gradient of every parameter (fp32, relative to the largest gradient),
-    per token and per sample. The same rows averaged per micro-batch would not (`loss_by_split`)."""
-    splits = [8, 2, 1]
-    one = run_scenario.layouts([_sft_run(packed_set, m) for m in splits]
-                               + [_sft_run(packed_set, m, loss_average="sample") for m in (8, 1)], 1, "grads")
+def test_one_global_batch_has_the_same_loss_and_gradients_at_every_split_packed_or_padded(packed_set, padded_set,
+                                                                                          run_scenario):
+    """The per-token loss: micro-batches 1x8, 4x2, 8x1 and DP=2 (4 and 1 per rank) give one global batch the
+    same loss and the same gradient of every parameter (fp32, relative to the largest gradient), per token and
+    per sample. All 20 conversations in one global batch give the same loss and gradients packed (block
+    mask) and padded (one per row). The same rows averaged per micro-batch would not (`loss_by_split`)."""
+    rows = sft.describe(packed_set)["train"]["rows"]
+    one = run_scenario.layouts([_sft_run(packed_set, m) for m in (8, 2, 1)]
+                               + [_sft_run(packed_set, m, loss_average="sample") for m in (8, 1)]
+                               + [_sft_run(packed_set, rows, rows), _sft_run(padded_set, 5, 20)], 1, "grads")
     two = run_scenario.layouts([_sft_run(packed_set, m) for m in (4, 1)], 2, "grads")
-    reference = one[0]
-    scale = max(abs(g) for g in reference["grads"])
-    for run in one[1:3] + two:
+
+    def same(run, reference):
+        scale = max(abs(g) for g in reference["grads"])
         assert run["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert max(abs(a - b) for a, b in zip(run["grads"], reference["grads"])) <= 1e-5 * scale
-    per_sample, per_sample_8x1 = one[3:]
-    assert per_sample_8x1["loss"] == pytest.approx(per_sample["loss"], rel=1e-5)
-    assert max(abs(a - b) for a, b in zip(per_sample_8x1["grads"], per_sample["grads"])) <= 1e-5 * scale
+
+    reference, *splits = one[:3]
+    for run in splits + two:
+        same(run, reference)
+    per_sample, per_sample_8x1 = one[3:5]
+    same(per_sample_8x1, per_sample)
+    packed_all, padded_all = one[5:]
+    same(padded_all, packed_all)
     # the two averages weigh tokens differently (a random model's token losses are all near ln 256, so the
     # losses barely differ; the gradients do)
-    assert max(abs(a - b) for a, b in zip(per_sample["grads"], reference["grads"])) > 0.1 * scale, (
-        max(abs(a - b) for a, b in zip(per_sample["grads"], reference["grads"])) / scale)
+    scale = max(abs(g) for g in reference["grads"])
+    assert max(abs(a - b) for a, b in zip(per_sample["grads"], reference["grads"])) > 0.1 * scale
 
 
 def test_the_mean_of_micro_batch_means_changes_with_the_split():
