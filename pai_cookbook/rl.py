@@ -63,7 +63,7 @@ def group_advantages(rewards: torch.Tensor, groups: Sequence[int] | torch.Tensor
         RLError: a group with a single completion (its advantage would be 0 whatever its reward: a wrong
             group id silently removes the baseline), or groups that do not match the rewards.
     """
-    groups = torch.as_tensor(groups)
+    groups = torch.as_tensor(groups, device=rewards.device)
     if groups.shape != rewards.shape:
         raise RLError(f"{rewards.numel()} rewards but {groups.numel()} group ids; give one group id per completion.")
     ids, sizes = groups.unique(return_counts=True)
@@ -81,7 +81,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate: -min(ratio A, clip(ratio, 1 - clip, 1 + clip) A), ratio = exp(logp - logp_old),
     averaged over the masked tokens. Returns (loss, clip fraction: the share of tokens where the clipped term
-    is the smaller one and so stops the gradient)."""
+    is the smaller one and so stops the gradient, as TRL's PPO counts it; OpenAI's baselines count
+    |ratio - 1| > clip instead, which includes tokens whose unclipped term is still the minimum)."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped, clipped = ratio * advantages, torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
     loss = masked_mean(-torch.minimum(unclipped, clipped), mask)

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pai_cookbook.core import nodes
+
 ROLES = ("system", "user", "assistant")
 DEFAULT_SET = Path(__file__).resolve().parents[1] / "data" / "sft" / "arithmetic.jsonl"
 """The cookbook's instruction set (scripts/make_sft_data.py): arithmetic asked in ten phrasings, answered in
@@ -68,6 +70,8 @@ class Sample:
     """The JSONL line it came from (1-based)."""
     template_agrees: bool | None = None
     """Whether transformers' assistant mask equals the boundary scan (None: the template has no markers)."""
+    truncated: bool = False
+    """Cut at seq_length + 1 tokens (`encode_all` with truncation="truncate")."""
 
 
 @dataclass
@@ -125,14 +129,22 @@ def _messages(record: Any, where: str) -> list[dict[str, str]]:
             raise SFTError(f"{where}: every turn needs a string \"content\"; found {turn!r:.80}.")
         if turn.get("role") not in ROLES:
             raise SFTError(f"{where}: unknown role {turn.get('role')!r}; the roles are {list(ROLES)}.")
+    if next(turn["role"] for turn in messages if turn["role"] != "system") == "assistant":
+        raise SFTError(f"{where}: the conversation starts with an assistant turn; an answer needs a question "
+                       f"before it (a \"user\" turn), or the template's header of it would be trained.")
     if not any(turn["role"] == "assistant" for turn in messages):
         raise SFTError(f"{where}: the conversation has no assistant turn, so nothing to learn from it; "
                        f"add the answer as an \"assistant\" turn (or a \"response\").")
     return [{"role": turn["role"], "content": turn["content"]} for turn in messages]
 
 
+def _template(template: str | None) -> str | None:
+    """A template name of TEMPLATES as its Jinja text; Jinja text and None (the tokenizer's own) as given."""
+    return TEMPLATES.get(template, template) if template is not None else None
+
+
 def _render(tokenizer, messages: list[dict], template: str | None, generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+    return tokenizer.apply_chat_template(messages, chat_template=_template(template), tokenize=False,
                                          add_generation_prompt=generation_prompt)
 
 
@@ -165,7 +177,7 @@ def assistant_spans(tokenizer, messages: list[dict], template: str | None = None
 def encode(tokenizer, conversation: dict[str, Any], template: str | None = None) -> Sample:
     """One conversation rendered and tokenized once; the loss mask from the boundary scan, cross-checked
     against transformers' assistant mask where the template marks assistant turns."""
-    messages = conversation["messages"]
+    messages, template = conversation["messages"], _template(template)
     text = _render(tokenizer, messages, template)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)  # the template writes BOS
     spans = assistant_spans(tokenizer, messages, template)
@@ -185,8 +197,7 @@ def encode_all(tokenizer, conversations: Sequence[dict[str, Any]], seq_length: i
     dropped or truncated; samples left without a loss token dropped. Returns the samples and the counts."""
     if truncation not in TRUNCATION:
         raise SFTError(f"truncation={truncation!r}; use one of {TRUNCATION}.")
-    if template in TEMPLATES:
-        template = TEMPLATES[template]
+    template = _template(template)
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise SFTError(f"the tokenizer has no chat template; pass template= one of {sorted(TEMPLATES)} or your own.")
     counts, samples = Counts(conversations=len(conversations)), []
@@ -203,6 +214,7 @@ def encode_all(tokenizer, conversations: Sequence[dict[str, Any]], seq_length: i
                 continue
             counts.truncated += 1
             sample.ids, sample.loss_mask = sample.ids[:seq_length + 1], sample.loss_mask[:seq_length + 1]
+            sample.truncated = True
         if not any(sample.loss_mask[1:]):  # the first token is never predicted
             counts.dropped_no_loss += 1
             counts.dropped_lines.append(sample.line)
@@ -317,6 +329,7 @@ SUMMARY = "sft.json"
 SPLITS = ("train", "valid")
 
 
+@nodes.node0_only
 def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, tokenizer_dir: str | Path, *,
             seq_length: int, template: str | None = None, truncation: str = "drop", packed: bool = True,
             valid_fraction: float = 0.05, seed: int = 0) -> dict[str, Any]:
@@ -340,7 +353,13 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
     """
     from pai_cookbook.core import tokenizer as tokenizers
 
-    conversations = read(source) if isinstance(source, (str, Path)) else list(source)
+    if not 0 <= valid_fraction < 1:
+        raise SFTError(f"valid_fraction={valid_fraction}; hold out a fraction in [0, 1) of the conversations.")
+    if isinstance(source, (str, Path)):
+        conversations = read(source)
+    else:  # records given in memory get the checks a file's lines get, numbered from 1
+        conversations = [{"messages": _messages(record, f"conversation {i}"), "line": record.get("line", i)}
+                         for i, record in enumerate(source, start=1)]
     hf = tokenizers.load(tokenizer_dir)
     samples, counts = encode_all(hf, conversations, seq_length, template, truncation)
     if counts.disagreements:
@@ -352,9 +371,15 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
                       f"({counts.dropped_too_long} longer than seq_length {seq_length} + 1 tokens, "
                       f"{counts.dropped_no_loss} without a loss token): lines {counts.dropped_lines[:10]}",
                       stacklevel=2)
-    if len(samples) < 2 and valid_fraction > 0:
+    if len(samples) < (2 if valid_fraction > 0 else 1):
         raise SFTError(f"{len(samples)} of {counts.conversations} conversations are left to train on; need at "
-                       f"least 2 (one held out). Raise seq_length or use truncation='truncate'.")
+                       f"least {2 if valid_fraction > 0 else 1} (one held out when valid_fraction > 0). Raise "
+                       f"seq_length or use truncation='truncate'.")
+    checked = audit(hf, samples, conversations)
+    if checked["mismatched_lines"]:
+        raise SFTError(f"lines {checked['mismatched_lines'][:10]}: the tokens in the loss do not decode to the "
+                       f"conversation's answers, each followed by {hf.eos_token!r}; the template renders text "
+                       f"around or inside the answers that the boundary scan cannot place. Use another template.")
     order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
     held_out = max(1, round(valid_fraction * len(samples))) if valid_fraction > 0 else 0
@@ -362,7 +387,7 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
              "valid": [samples[i] for i in sorted(order[:held_out])]}
     meta = {"truncation": truncation, "template": template if template is None or template in TEMPLATES else "custom",
             "tokenizer": str(Path(tokenizer_dir).resolve()), "tokenizer_sha256": tokenizers.fingerprint(tokenizer_dir),
-            "vocab_size": len(hf), "counts": asdict(counts), "audit": audit(hf, samples, conversations)}
+            "vocab_size": len(hf), "counts": asdict(counts), "audit": checked}
     pad_id = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
     return write(out_dir, split, seq_length, pad_id, packed=packed, **meta)
 
@@ -372,13 +397,32 @@ def write(out_dir: str | Path, split: dict[str, Sequence[Sample]], seq_length: i
     """Pack (or pad) each split's samples into rows and write them with the summary; the folder appears
     whole or not at all (written beside it, then renamed). `meta` joins the summary (`vocab_size` is
     needed by `check_for_training`)."""
-    import torch
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / SUMMARY).exists():
+        raise SFTError(f"{out_dir} holds files that are not a prepared SFT set; give an empty or new folder (a "
+                       f"prepared set there is replaced, nothing else is).")
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
+    try:
+        summary = _write_splits(partial, split, seq_length, pad_id, packed, meta)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    old = out_dir.with_name(out_dir.name + ".old")
+    if out_dir.exists():  # derived data: a new preparation replaces the old one whole
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(partial, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return summary
+
+
+def _write_splits(folder: Path, split: dict[str, Sequence[Sample]], seq_length: int, pad_id: int, packed: bool,
+                  meta: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import save_file
+
     summary: dict[str, Any] = {"seq_length": seq_length, "packed": packed} | meta
     for name in SPLITS:
         part = list(split.get(name, []))
@@ -386,17 +430,14 @@ def write(out_dir: str | Path, split: dict[str, Sequence[Sample]], seq_length: i
         rows = pack(lengths, seq_length) if packed else [[i] for i in range(len(part))]
         tensors = batch(part, rows, seq_length, pad_id) if part else {}
         save_file({k: v.to(getattr(torch, _STORED[k])).contiguous() for k, v in tensors.items()},
-                  str(partial / f"{name}.safetensors"))
+                  str(folder / f"{name}.safetensors"))
         summary[name] = {"conversations": len(part), "rows": len(rows), "positions": sum(lengths),
                          "loss_tokens": sum(sum(s.loss_mask[1:]) for s in part),
                          "efficiency": sum(lengths) / (len(rows) * seq_length) if rows else 0.0,
                          "padded_efficiency": efficiency(lengths, seq_length, packed=False),
                          "packed_efficiency": efficiency(lengths, seq_length, packed=True),
                          "lines": [s.line for s in part]}
-    (partial / SUMMARY).write_text(json.dumps(summary, indent=1))
-    if out_dir.exists():  # derived data: a new preparation replaces the old one whole
-        shutil.rmtree(out_dir)
-    os.replace(partial, out_dir)
+    (folder / SUMMARY).write_text(json.dumps(summary, indent=1))
     return summary
 
 
@@ -429,9 +470,13 @@ def check_for_training(run: Any) -> None:
     if summary["vocab_size"] > run.model.vocab_size:
         raise SFTError(f"{folder} was tokenized with a {summary['vocab_size']}-token vocabulary, larger than the "
                        f"model's {run.model.vocab_size}; prepare it with this model's tokenizer.")
+    if summary["packed"] and run.model.position_embedding_type != "rope":
+        raise SFTError(f"{folder} packs several conversations per row, and the model's positions are "
+                       f"{run.model.position_embedding_type!r}: a packed conversation would see other positions than "
+                       f"alone (rotary scores depend only on distances). Prepare it with packed=False.")
     load_dir = run.checkpoint.load_dir
     expected = tokenizers.fingerprint(Path(load_dir) / checkpoint.HF_ASSETS) if load_dir else None
-    if expected and summary["tokenizer_sha256"] != expected:
+    if expected and summary.get("tokenizer_sha256") != expected:
         raise SFTError(f"{folder} was tokenized with {summary['tokenizer']}, not with the tokenizer of {load_dir}; "
                        f"prepare it again with tokenizer_dir={Path(load_dir) / checkpoint.HF_ASSETS}.")
     if summary["train"]["rows"] < run.data.global_batch_size:
@@ -518,22 +563,29 @@ def loss_by_split(token_losses: Any, loss_mask: Any, micro_batch_sizes: Sequence
 # --------------------------------------------------------------------------------------------------
 # Looking at the data and at what the model learnt
 # --------------------------------------------------------------------------------------------------
-def audit(tokenizer, samples: Sequence[Sample], conversations: Sequence[dict[str, Any]]) -> dict[str, int]:
+def audit(tokenizer, samples: Sequence[Sample], conversations: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """What the loss masks train, checked against the conversations' text: for each sample the trained
     tokens must decode to its assistant turns, each followed by the end-of-turn token, and nothing else
     (a prompt token in the loss, or a missing end token, breaks the equality); and no sample may start
     with two BOS tokens."""
-    by_line = {c.get("line", 0): c for c in conversations}
-    out = {"samples": len(samples), "assistant_turns": 0, "end_tokens_trained": 0, "mismatched_samples": 0,
-           "double_bos": 0}
+    by_line = {c["line"]: c for c in conversations}
+    if len(by_line) != len(conversations):
+        raise SFTError("conversations share line numbers; give each a distinct \"line\" (or none: sft.prepare numbers them).")
+    out: dict[str, Any] = {"samples": len(samples), "truncated_not_checked": 0, "assistant_turns": 0,
+                           "end_tokens_trained": 0, "mismatched_samples": 0, "double_bos": 0, "mismatched_lines": []}
     end, bos = tokenizer.eos_token or "", tokenizer.bos_token_id
     for sample in samples:
+        out["double_bos"] += bos is not None and sample.ids[:2] == [bos, bos]
+        if sample.truncated:  # its last answer is cut: the text check does not apply
+            out["truncated_not_checked"] += 1
+            continue
         answers = [m["content"] for m in by_line[sample.line]["messages"] if m["role"] == "assistant"]
         trained = [i for i, m in zip(sample.ids, sample.loss_mask) if m]
         out["assistant_turns"] += len(answers)
         out["end_tokens_trained"] += trained.count(tokenizer.eos_token_id)
-        out["mismatched_samples"] += tokenizer.decode(trained) != "".join(a + end for a in answers)
-        out["double_bos"] += bos is not None and sample.ids[:2] == [bos, bos]
+        if tokenizer.decode(trained) != "".join(a + end for a in answers):
+            out["mismatched_samples"] += 1
+            out["mismatched_lines"].append(sample.line)
     return out
 
 

@@ -42,7 +42,9 @@ def test_bad_records_are_named_with_their_line(tmp_path):
              '{"messages": [{"role": "human", "content": "hi"}]}': "unknown role 'human'",
              '{"messages": [{"role": "user", "content": "hi"}]}': "no assistant turn",
              '{"question": "hi"}': r"expected \{\"messages\"",
-             '{"messages": []}': "non-empty list"}
+             '{"messages": []}': "non-empty list",
+             '{"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}':
+                 "starts with an assistant turn"}
     for text, message in cases.items():
         path.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + text + "\n")
         with pytest.raises(sft.SFTError, match=message) as err:
@@ -235,3 +237,9 @@ def test_a_set_that_does_not_fit_the_run_is_refused_before_launch(packed_set, tm
         summary = sft.prepare([CONVERSATION, CONVERSATION | {"line": 2, "messages": CONVERSATION["messages"] * 9}],
                               tmp_path / "set", smollm2.hf_folder(), seq_length=64, valid_fraction=0.0)
     assert summary["counts"]["dropped_lines"] == [2] and summary["train"]["conversations"] == 1
+    # a folder holding anything but a prepared set is never replaced
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(sft.SFTError, match="not a prepared SFT set"):
+        sft.prepare([CONVERSATION], tmp_path / "mine", smollm2.hf_folder(), seq_length=64, valid_fraction=0.0)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep" and not (tmp_path / "mine.partial").exists()

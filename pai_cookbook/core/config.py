@@ -348,6 +348,12 @@ class RunConfig(Job):
                 self.precision.fp8.resolve_backend(device)
             _require(self.precision.dtype != "fp16" or device.is_cuda,
                      "dtype='fp16' needs a GPU (CPU kernels lack half-precision GEMMs); use 'bf16' or 'fp32'.")
+            # packed SFT rows on the TE spec are THD sequences, which TE attends in bf16/fp16 only (its
+            # unfused fp32 attention takes no THD input)
+            _require(not (self.data.source == "sft" and device.is_cuda and device.has_transformer_engine
+                          and self.precision.dtype == "fp32"),
+                     "SFT rows on a GPU with Transformer Engine go through its packed-sequence (THD) attention, "
+                     "which has no fp32 kernel; use PrecisionConfig(dtype='bf16').")
         fp8 = self.precision.fp8
         if fp8 is not None and fp8.first_last_layers_bf16:
             kept = fp8.num_layers_at_start_in_bf16 + fp8.num_layers_at_end_in_bf16
