@@ -69,6 +69,8 @@ BAD_LAYOUTS = [
     ("emulated FP8 without FP8 wgrad", lambda: run(precision=PrecisionConfig(
         dtype="bf16", fp8=FP8Config(wgrad=False))), 1, CPU, r"wgrad=False .* needs backend='te'"),
     ("fp16 on CPU", lambda: run(precision=PrecisionConfig(dtype="fp16")), 1, CPU, r"dtype='fp16' needs a GPU"),
+    ("fp32 SFT rows on Transformer Engine", lambda: run(data=DataConfig(source="sft", paths=["set"], seq_length=32)), 1,
+     H100, r"THD\) attention, which has no fp32 kernel; use PrecisionConfig\(dtype='bf16'\)"),
     ("flex dispatcher on CPU", lambda: run(model=families.tiny("mixtral", moe_token_dispatcher_type="flex")),
      1, CPU, r"'flex' needs DeepEP"),
     ("grouped GEMM forced on CPU", lambda: run(model=families.tiny("mixtral", moe_grouped_gemm=True)), 1, CPU,
