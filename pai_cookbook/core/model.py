@@ -286,8 +286,11 @@ def mask_vocab_padding(output_layer: torch.nn.Module, vocab_size: int) -> None:
         logits, bias = output
         width = logits.shape[-1]  # this rank's shard, or the whole padded vocabulary when gathered
         start = rank * local_rows if width == local_rows else 0
-        ids = torch.arange(start, start + width, device=logits.device)
-        return logits.masked_fill(ids >= vocab_size, torch.finfo(logits.dtype).min), bias
+        # in place, on the padding columns only: a copy of the whole [seq, batch, vocab] tensor was a
+        # tenth of a scoring pass over a 51k vocabulary (the matmul that made the logits saved its inputs,
+        # not its output, so autograd allows it; the filled entries get gradient 0)
+        logits[..., max(vocab_size - start, 0):].fill_(torch.finfo(logits.dtype).min)
+        return logits, bias
 
     output_layer.register_forward_hook(hook)
 

@@ -10,6 +10,7 @@ the probability mass on the new and on the padding rows.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -22,23 +23,31 @@ from pai_cookbook.core.model import build_model
 from pai_cookbook.extend import ScoreJob
 
 
+@functools.lru_cache(maxsize=16)
+def _tokenizer(folder: Path):
+    return tokenizer.load(folder)
+
+
 def _documents(folder: Path, texts: list[str]) -> list[list[int]]:
     """Each text as [separator] + its tokens: every token of the text is predicted, from the same context."""
-    hf = tokenizer.load(folder)
+    hf = _tokenizer(folder)
     separator = tokenizer.eos_ids(folder, hf)[:1] or [hf.bos_token_id]
     return [separator + hf(text, add_special_tokens=False).input_ids for text in texts]
 
 
 def _batches(docs: list[list[int]], batch: int, pad: int):
+    """Batches of documents of similar length (sorted, so little of each batch is padding); `keep` marks
+    the positions whose next token is text: those positions' logits predict it."""
+    order = sorted(range(len(docs)), key=lambda i: len(docs[i]))
     for start in range(0, len(docs), batch):
-        group = docs[start:start + batch]
+        group = [docs[i] for i in order[start:start + batch]]
         width = max(len(d) for d in group)
         tokens = torch.full((len(group), width), pad, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.bool)
+        keep = torch.zeros(len(group), width, dtype=torch.bool)
         for row, doc in enumerate(group):
             tokens[row, :len(doc)] = torch.tensor(doc)
-            mask[row, 1:len(doc)] = True  # predicted positions (targets), shifted below
-        yield tokens, mask
+            keep[row, :len(doc) - 1] = True
+        yield tokens, keep
 
 
 def megatron_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor:
@@ -69,44 +78,58 @@ def score(job: ScoreJob, device) -> dict[str, Any]:
         for name, texts in job.texts.items():
             docs = _documents(folder, texts)
             nats = 0.0
-            for tokens, mask in _batches(docs, job.batch, docs[0][0]):
-                logits = megatron_logits(chunks, tokens)[:, :-1]
-                # fp32 cross entropy per token (2e-6 nats from a float64 log-softmax, 3x faster over a
-                # 49k-token vocabulary), summed in float64
-                nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
-                                                        reduction="none").view(len(tokens), -1)
-                nats += float(nll[mask[:, 1:]].double().sum())
+            for tokens, keep in _batches(docs, job.batch, docs[0][0]):
+                # fp32 cross entropy of the text positions only (2e-6 nats from a float64 log-softmax, 3x
+                # faster over a 49k-token vocabulary), summed in float64
+                nll = torch.nn.functional.cross_entropy(megatron_logits(chunks, tokens)[keep], tokens.roll(-1, 1)[keep],
+                                                        reduction="none")
+                nats += float(nll.double().sum())
             bits[ckpt][name] = nats / math.log(2) / sum(len(t) for t in texts)
-    pairs = [_compare(base, extended, job.texts[text], job.batch, device) for base, extended, text in job.pairs]
+    groups: dict[tuple[str, str], list[int]] = {}  # pairs sharing a base and texts share its forward passes
+    for index, (base, _, text) in enumerate(job.pairs):
+        groups.setdefault((base, text), []).append(index)
+    pairs: list[dict[str, Any]] = [{} for _ in job.pairs]
+    for (base, text), indices in groups.items():
+        figures = _compare(base, [job.pairs[i][1] for i in indices], job.texts[text], job.batch, device)
+        for index, result in zip(indices, figures):
+            pairs[index] = result
     return {"bits_per_char": bits, "pairs": pairs}
 
 
-def _compare(base: str, extended: str, texts: list[str], batch: int, device) -> dict[str, Any]:
-    """The extended checkpoint's logits against the base's on texts both tokenize identically."""
+def _compare(base: str, extended: list[str], texts: list[str], batch: int, device) -> list[dict[str, Any]]:
+    """Each extended checkpoint's logits against the base's on the texts both tokenize identically
+    (the base runs once for every extended checkpoint whose tokenizer selects the same texts)."""
     old_docs = _documents(Path(base) / checkpoint.HF_ASSETS, texts)
-    new_docs = _documents(Path(extended) / checkpoint.HF_ASSETS, texts)
-    same = [a for a, b in zip(old_docs, new_docs) if a == b]
+    same = {ckpt: [a for a, b in zip(old_docs, _documents(Path(ckpt) / checkpoint.HF_ASSETS, texts)) if a == b]
+            for ckpt in extended}
     old_model, old_chunks = _load(base, device)
-    new_model, new_chunks = _load(extended, device)
-    old_vocab, new_vocab = old_model.vocab_size, new_model.vocab_size
-    figures = {"max_abs_diff_old_entries": 0.0, "kl": 0.0, "new_mass": 0.0, "padding_mass": 0.0}
-    positions = 0
-    for tokens, mask in _batches(same, batch, same[0][0]):
-        old, new = megatron_logits(old_chunks, tokens), megatron_logits(new_chunks, tokens)
-        keep = mask.roll(-1, 1)  # logits at positions whose next token is real text
-        old, new = old[keep].double(), new[keep].double()
-        figures["max_abs_diff_old_entries"] = max(figures["max_abs_diff_old_entries"],
-                                                  float((old[:, :old_vocab] - new[:, :old_vocab]).abs().max()))
-        p_old = torch.log_softmax(old[:, :old_vocab], -1)
-        p_new = torch.log_softmax(new, -1)
-        figures["kl"] += float((p_old.exp() * (p_old - p_new[:, :old_vocab])).sum())
-        figures["new_mass"] += float(p_new[:, old_vocab:new_vocab].exp().sum())
-        figures["padding_mass"] += float(p_new[:, new_vocab:].exp().sum())
-        positions += len(old)
-    for key in ("kl", "new_mass", "padding_mass"):
-        figures[key] /= max(positions, 1)
-    return figures | {"base": base, "extended": extended, "texts": len(texts), "identical_tokenization": len(same),
-                      "positions": positions, "bitwise_equal_old_entries": figures["max_abs_diff_old_entries"] == 0}
+    results = {}
+    for docs in {tuple(map(tuple, docs)): docs for docs in same.values()}.values():
+        members = [ckpt for ckpt in extended if same[ckpt] == docs]
+        models = {ckpt: _load(ckpt, device) for ckpt in members}
+        figures = {ckpt: {"max_abs_diff_old_entries": 0.0, "kl": 0.0, "new_mass": 0.0, "padding_mass": 0.0}
+                   for ckpt in members}
+        positions = 0
+        for tokens, keep in _batches(docs, batch, docs[0][0]) if docs else ():
+            old = megatron_logits(old_chunks, tokens)[keep][:, :old_model.vocab_size].double()
+            p_old = torch.log_softmax(old, -1)
+            for ckpt, (new_model, new_chunks) in models.items():
+                new = megatron_logits(new_chunks, tokens)[keep].double()
+                fig = figures[ckpt]
+                fig["max_abs_diff_old_entries"] = max(fig["max_abs_diff_old_entries"],
+                                                      float((old - new[:, :old_model.vocab_size]).abs().max()))
+                p_new = torch.log_softmax(new, -1)
+                fig["kl"] += float((p_old.exp() * (p_old - p_new[:, :old_model.vocab_size])).sum())
+                fig["new_mass"] += float(p_new[:, old_model.vocab_size:new_model.vocab_size].exp().sum())
+                fig["padding_mass"] += float(p_new[:, new_model.vocab_size:].exp().sum())
+            positions += len(old)
+        for ckpt, fig in figures.items():
+            for key in ("kl", "new_mass", "padding_mass"):
+                fig[key] /= max(positions, 1)
+            results[ckpt] = fig | {
+                "base": base, "extended": ckpt, "texts": len(texts), "identical_tokenization": len(docs),
+                "positions": positions, "bitwise_equal_old_entries": fig["max_abs_diff_old_entries"] == 0}
+    return [results[ckpt] for ckpt in extended]
 
 
 @worker.entry(ScoreJob)
