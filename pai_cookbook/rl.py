@@ -83,10 +83,17 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     averaged over the masked tokens. Returns (loss, clip fraction: the share of tokens where the clipped term
     is the smaller one and so stops the gradient, as TRL's PPO counts it; OpenAI's baselines count
     |ratio - 1| > clip instead, which includes tokens whose unclipped term is still the minimum)."""
+    losses, clipped = clipped_surrogate(logprobs, old_logprobs, advantages, clip)
+    return masked_mean(losses, mask), masked_mean(clipped.to(logprobs.dtype), mask)
+
+
+def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """`policy_loss` per token, before any mean: (-min(ratio A, clip(ratio) A), where the clipped term won).
+    `advantages` broadcast: [batch, tokens] for PPO, [batch, 1] for GRPO's one advantage per completion."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped, clipped = ratio * advantages, torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
-    loss = masked_mean(-torch.minimum(unclipped, clipped), mask)
-    return loss, masked_mean((clipped < unclipped).to(logprobs.dtype), mask)
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -1,0 +1,95 @@
+"""GRPO on Megatron-Core: the engine samples on the trainer's own weights (log-probabilities equal, and
+still equal after every update), layouts agree on replayed rollouts, and bad input is refused before launch.
+
+Two launches: 5 GRPO steps at TP=1 sampling from a tiny Llama, then the same 5 steps at TP=2 replaying
+the first run's rollouts (sampling itself is layout-independent, but a float difference could flip one
+draw; replay makes the comparison exact in what it feeds).
+"""
+
+import pytest
+
+from pai_cookbook import rlhf
+from pai_cookbook.core import launch
+from pai_cookbook.core.config import ConfigError, ParallelConfig
+from pai_cookbook.rl import RLError
+
+PROMPTS = ["The Python language reference describes", "def f(x): return", "In the beginning",
+           "Chinese paragraphs and the interpreter"]
+STEPS = 5
+# lr 1e-3 moves a tiny random model visibly within a few steps (measured KL to the start below); two
+# updates per batch, so the second sees ratios other than 1 and the loss depends on the model
+CONFIG = rlhf.GRPOConfig(steps=STEPS, prompts_per_step=2, group_size=4, max_new_tokens=12, lr=1e-3, epochs=2,
+                         micro_batch_size=4, seed=3)
+REWARD = "tests.workers.rewards:brevity"
+
+
+@pytest.fixture(scope="module")
+def llama(converted):
+    return converted["llama"][1]
+
+
+@pytest.fixture(scope="module")
+def sampled(llama, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("grpo_tp1")
+    result = rlhf.grpo(llama, PROMPTS, REWARD, CONFIG, run_dir=run_dir, show_progress=False, echo=False)
+    return result, run_dir
+
+
+@pytest.mark.multiproc
+def test_engine_log_probabilities_are_the_trainers_at_every_step(sampled):
+    result, run_dir = sampled
+    steps = result["steps"]
+    assert len(steps) == STEPS == len(rlhf.history(run_dir)["reward"])
+    # The engine's log-probability of each sampled token against the trainer's full forward of the same
+    # tokens with the same weights: the issue's bound 1e-4 (fp32).
+    assert max(s["logprob_diff"] for s in steps) < 1e-4, [s["logprob_diff"] for s in steps]
+    # ...and the weights did move under the engine: by the last step the policy is far enough from its
+    # start (the reference) that an engine left on the old weights would differ by more than the bound.
+    assert steps[-1]["kl_before_update"] > 1e-3, [s["kl_before_update"] for s in steps]
+    rollouts = rlhf.read_rollouts(run_dir)
+    assert len(rollouts) == STEPS * CONFIG.rows
+    assert all(0 <= r["reward"] <= 1 and 1 <= len(r["tokens"]) <= CONFIG.max_new_tokens for r in rollouts)
+    groups = {(r["step"], r["group"]) for r in rollouts}
+    assert len(groups) == STEPS * CONFIG.prompts_per_step
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_grpo_equals_one_process_on_the_same_rollouts(sampled, llama, tmp_path):
+    result, run_dir = sampled
+    replay = CONFIG.__class__(**{**vars(CONFIG), "rollouts": str(run_dir / "rollouts.jsonl")})
+    tp2 = rlhf.grpo(llama, PROMPTS, REWARD, replay, parallel=ParallelConfig(tensor_model_parallel_size=2),
+                    nproc_per_node=2, run_dir=tmp_path, show_progress=False, echo=False)
+    # the issue's 1e-4 on the losses; the KL to the reference and the gradient norm (model-dependent
+    # through every update) within 1e-4 relative. Measured: 7e-8, and 7e-7 at most.
+    for figure, absolute in (("loss", True), ("kl", False), ("grad_norm", False)):
+        one, two = [s[figure] for s in result["steps"]], [s[figure] for s in tp2["steps"]]
+        gap = max(abs(a - b) / (1 if absolute else max(abs(a), 1e-12)) for a, b in zip(one, two))
+        assert gap < 1e-4, (figure, one, two)
+    assert [s["reward"] for s in tp2["steps"]] == [s["reward"] for s in result["steps"]]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a worker was launched for an input that should have been refused")
+    monkeypatch.setattr(launch, "launch", fail)
+
+
+@pytest.mark.parametrize("prompts, reward, fields, error, message", [
+    (["ok", "  "], REWARD, {}, ConfigError, "prompt 2 is empty"),
+    ([], REWARD, {}, ConfigError, "no prompts"),
+    (PROMPTS, "tests.workers.rewards:raises", {}, RLError, "raised KeyError"),
+    (PROMPTS, "tests.workers.rewards:text", {}, RLError, "returned '1.0' (str)"),
+    (PROMPTS, "tests.workers.rewards.brevity", {}, ConfigError, "'module:function'"),
+    (PROMPTS, "tests.workers.nowhere:brevity", {}, ConfigError, "cannot be imported"),
+])
+def test_bad_input_is_refused_before_launch(llama, prompts, reward, fields, error, message, no_launch):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        rlhf.grpo(llama, prompts, reward, rlhf.GRPOConfig(**fields))
+
+
+def test_bad_config_and_reference_are_refused(converted, llama, no_launch):
+    with pytest.raises(ConfigError, match="at least 2"):
+        rlhf.GRPOConfig(group_size=1)
+    with pytest.raises(ConfigError, match="another model"):
+        rlhf.grpo(llama, PROMPTS, REWARD, reference=converted["qwen2"][1])
