@@ -13,3 +13,10 @@ from typing import Any
 def exact_answer(completion: str, record: dict[str, Any]) -> float:
     """1.0 when the completion, stripped, is the record's "answer", else 0.0."""
     return float(completion.strip() == str(record["answer"]).strip())
+
+
+def positional_match(completion: str, record: dict[str, Any]) -> float:
+    """Partial credit: the share of the answer's words the completion has in the same position, over the
+    longer of the two (a missing or extra word counts as wrong). 1.0 only for the exact answer's words."""
+    got, want = completion.split(), str(record["answer"]).split()
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want), 1)

@@ -55,8 +55,8 @@ def test_round_trip_is_bitwise_identical_and_loadable(family, converted):
 
 
 @pytest.mark.multiproc
+# Llama saved at TP2 and loaded at PP2 against transformers is notebook 01's resharding run (CI runs it).
 @pytest.mark.parametrize("family, saved_at, loaded_at", [
-    ("llama", (2, 1, 1), (1, 2, 1)),    # saved at TP2, loaded at PP2
     ("qwen2", (1, 2, 1), (2, 1, 1)),    # tied embeddings: saved at PP2, loaded at TP2
     ("mixtral", (1, 1, 2), (1, 1, 1)),  # saved at EP2, loaded at EP1
 ], ids=str)

@@ -46,7 +46,12 @@ def test_engine_log_probabilities_are_the_trainers_at_every_step(sampled):
     # ...and the weights did move under the engine: by the last step the policy is far enough from its
     # start (the reference) that an engine left on the old weights would differ by more than the bound.
     assert steps[-1]["kl_before_update"] > 1e-3, [s["kl_before_update"] for s in steps]
+    # The logged entropy (from the engine's full next-token distributions) against the mean surprise of
+    # the tokens actually sampled, its Monte-Carlo estimate (~100 tokens; near-uniform tiny model: ln 256 = 5.5)
     rollouts = rlhf.read_rollouts(run_dir)
+    for step in range(STEPS):
+        surprise = [-lp for r in rollouts if r["step"] == step for lp in r["engine_logprobs"]]
+        assert abs(steps[step]["entropy"] - sum(surprise) / len(surprise)) < 0.1, (steps[step]["entropy"], step)
     assert len(rollouts) == STEPS * CONFIG.rows
     assert all(0 <= r["reward"] <= 1 and 1 <= len(r["tokens"]) <= CONFIG.max_new_tokens for r in rollouts)
     groups = {(r["step"], r["group"]) for r in rollouts}

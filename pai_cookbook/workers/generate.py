@@ -46,11 +46,13 @@ def _controller_class():
         """Megatron-Core's controller plus repetition penalty, vocabulary-padding mask, EOS ids, stops."""
 
         def configure(self, *, vocab_size: int, repetition_penalty: float, eos_ids: list[int],
-                      stop: list[str], prompt_lengths: list[int]) -> None:
+                      stop: list[str], prompt_lengths: list[int], track_entropy: bool = False) -> None:
             self.real_vocab, self.penalty, self.stop = vocab_size, repetition_penalty, stop
             self.eos = torch.tensor(eos_ids, dtype=torch.long)
             self.prompt_lengths = prompt_lengths
             self.finish = [FINISH_LENGTH] * len(prompt_lengths)
+            # per sampling step, each row's entropy of the model's next-token distribution (RL logs it)
+            self.entropies: list[torch.Tensor] | None = [] if track_entropy else None
 
         def pad_input_prompt_tokens(self, batch_prompt_tokens_list, padded_batch_size, padded_sequence_length):
             self.position = min(len(p) for p in batch_prompt_tokens_list)  # first sampled position
@@ -61,6 +63,9 @@ def _controller_class():
         def sample_from_logits(self, last_token_logits, sampling_params=None, vocab_size=None, **kwargs):
             logits = last_token_logits.float().clone()
             logits[:, self.real_vocab:] = float("-inf")  # padding rows of the output layer
+            if self.entropies is not None:
+                log_p = torch.log_softmax(logits[:, :self.real_vocab], -1)
+                self.entropies.append(-(log_p.exp() * log_p).sum(-1).cpu())
             if self.penalty != 1.0:
                 seen = self.tokens[:logits.shape[0], :self.position].to(logits.device)
                 score = logits.gather(1, seen)

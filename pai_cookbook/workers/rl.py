@@ -64,7 +64,9 @@ def sample(engine, job: GRPOJob, step: int, prompts: list[int], vocab_size: int)
     ids = [job.prompt_ids[prompt] for prompt, _ in rows]
     controller.sampling_rng.manual_seed(job.grpo.seed * _SEED_STRIDE + step)
     controller.configure(vocab_size=vocab_size, repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
-                         prompt_lengths=[len(i) for i in ids])
+                         prompt_lengths=[len(i) for i in ids], track_entropy=True)
+    first = min(len(i) for i in ids)  # the first sampling step's position: a row's token j is sampled at
+    # step len(prompt) - first + j (rows with longer prompts feed their own tokens until then)
     requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=list(i),
                                  sampling_params=params) for i in ids]
     out = []
@@ -77,8 +79,10 @@ def sample(engine, job: GRPOJob, step: int, prompts: list[int], vocab_size: int)
             if end not in job.eos_ids:
                 raise RuntimeError(f"row {row} finished on an end token, but {end} is not one of {job.eos_ids}")
             tokens.append(end)
+        steps = range(len(ids[row]) - first, len(ids[row]) - first + len(tokens))
+        entropy = [float(controller.entropies[i][row]) for i in steps if i < len(controller.entropies)]
         out.append({"step": step, "row": row, "prompt": prompt, "group": group, "tokens": tokens,
-                    "engine_logprobs": logprobs, "finish": finish})
+                    "engine_logprobs": logprobs, "entropy": entropy, "finish": finish})
     return out
 
 
@@ -261,12 +265,18 @@ def grpo_step(job: GRPOJob, step: int, model, reference, optimizer, scheduler, e
         "kl_before_update": updates[0]["kl"],
         "logprob_diff": _max_over_world(difference) if replay is None else None,  # replayed: no engine ran
         "completion_length": sum(lengths) / len(lengths),
+        # the policy's next-token entropy at each sampled token (nats), from the engine's logits
+        "entropy": _mean([e for r in rollouts for e in r.get("entropy", [])]),
         "ended": sum(r["finish"] == engine_worker.FINISH_EOS for r in rollouts) / len(rollouts),
         "zero_advantage_groups": _flat_groups(rewards, [r["group"] for r in rollouts]),
         "rollout_seconds": sampled - start, "seconds": time.perf_counter() - start}
     for rollout, reward in zip(rollouts, rewards):
         rollout["reward"] = reward
     return figures, rollouts
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _flat_groups(rewards: list[float], groups: list[int]) -> float:
