@@ -46,8 +46,9 @@ def _controller_class():
         """Megatron-Core's controller plus repetition penalty, vocabulary-padding mask, EOS ids, stops."""
 
         def configure(self, *, vocab_size: int, repetition_penalty: float, eos_ids: list[int],
-                      stop: list[str], prompt_lengths: list[int], track_entropy: bool = False) -> None:
-            self.real_vocab, self.penalty, self.stop = vocab_size, repetition_penalty, stop
+                      stop: list[str], prompt_lengths: list[int], max_new_tokens: int,
+                      track_entropy: bool = False) -> None:
+            self.real_vocab, self.penalty, self.stop, self.max_new = vocab_size, repetition_penalty, stop, max_new_tokens
             self.eos = torch.tensor(eos_ids, dtype=torch.long)
             self.prompt_lengths = prompt_lengths
             self.finish = [FINISH_LENGTH] * len(prompt_lengths)
@@ -81,6 +82,9 @@ def _controller_class():
             # end ids; a stop string ends the row *after* counting the token that completed it.
             latest = updated_prompts_tokens[:, current_context_end_position].cpu()
             started, done = generation_started.cpu(), is_generation_done_tensor.cpu()
+            # A row with a shorter prompt reaches its limit while longer prompts still run: it is done
+            # ("length"), and what the batch samples for it afterwards (an end token, a stop) is not its.
+            done = done | (started & (generated_sequence_lengths.cpu() >= self.max_new))
             hit_eos = torch.isin(latest, self.eos) & started & ~done
             done = done | hit_eos
             lengths = generated_sequence_lengths.cpu() + (~done & started).to(generated_sequence_lengths.dtype)
@@ -180,7 +184,7 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
         controller.sampling_rng.manual_seed(config.seed * _BATCH_SEED_STRIDE + number)
         controller.configure(vocab_size=model.vocab_size, repetition_penalty=config.repetition_penalty,
                              eos_ids=[] if config.ignore_eos else job.eos_ids, stop=config.stop,
-                             prompt_lengths=[len(prompts[i]) for i in batch])
+                             prompt_lengths=[len(prompts[i]) for i in batch], max_new_tokens=config.max_new_tokens)
         wrapped.forward_lengths = []
         requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=list(prompts[i]),
                                      sampling_params=params) for i in batch]

@@ -64,7 +64,8 @@ def sample(engine, job: GRPOJob, step: int, prompts: list[int], vocab_size: int)
     ids = [job.prompt_ids[prompt] for prompt, _ in rows]
     controller.sampling_rng.manual_seed(job.grpo.seed * _SEED_STRIDE + step)
     controller.configure(vocab_size=vocab_size, repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
-                         prompt_lengths=[len(i) for i in ids], track_entropy=True)
+                         prompt_lengths=[len(i) for i in ids], max_new_tokens=job.grpo.max_new_tokens,
+                         track_entropy=True)
     first = min(len(i) for i in ids)  # the first sampling step's position: a row's token j is sampled at
     # step len(prompt) - first + j (rows with longer prompts feed their own tokens until then)
     requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=list(i),
@@ -77,7 +78,9 @@ def sample(engine, job: GRPOJob, step: int, prompts: list[int], vocab_size: int)
         if finish == engine_worker.FINISH_EOS:  # the end token ends the row uncounted; the policy must learn it
             end = int(controller.tokens[row, len(ids[row]) + len(tokens)])
             if end not in job.eos_ids:
-                raise RuntimeError(f"row {row} finished on an end token, but {end} is not one of {job.eos_ids}")
+                raise RuntimeError(f"row {row} finished on an end token, but {end} is not one of {job.eos_ids}: "
+                                   f"prompt {len(ids[row])} tokens, generated {tokens}, buffer after the prompt "
+                                   f"{controller.tokens[row, len(ids[row]):].tolist()}")
             tokens.append(end)
         steps = range(len(ids[row]) - first, len(ids[row]) - first + len(tokens))
         entropy = [float(controller.entropies[i][row]) for i in steps if i < len(controller.entropies)]
