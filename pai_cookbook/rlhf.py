@@ -124,9 +124,7 @@ class GRPOJob(Job):
 
     def check(self, world_size: int, device: Any) -> None:
         self.run.validate(world_size, device)
-        if self.run.parallel.virtual_pipeline_model_parallel_size:
-            raise ConfigError("GRPO runs the policy through the inference engine, which takes one model chunk per "
-                              "rank; set virtual_pipeline_model_parallel_size=None.")
+        layout.check(self.run.model, self.run.parallel, world_size, purpose="infer")  # the engine's layout too
 
 
 def resolve_reward(spec: str) -> Reward:
@@ -219,6 +217,7 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
         raise ConfigError(f"GRPOConfig.rollouts={config.rollouts!r} is not a file; give a rollouts.jsonl a run wrote.")
     parallel = parallel or ParallelConfig()
     layout.check(model, parallel, purpose="train")
+    layout.check(model, parallel, purpose="infer")  # the engine samples at the training layout
     run = RunConfig(
         model=model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]),
         optimizer=OptimizerConfig(lr=config.lr, min_lr=config.lr, lr_decay_style="constant", weight_decay=0.0,

@@ -98,3 +98,7 @@ def test_bad_config_and_reference_are_refused(converted, llama, no_launch):
         rlhf.GRPOConfig(group_size=1)
     with pytest.raises(ConfigError, match="another model"):
         rlhf.grpo(llama, PROMPTS, REWARD, reference=converted["qwen2"][1])
+    # the engine samples at the training layout, so the layout must suit both
+    with pytest.raises(ConfigError, match="sequence_parallel=True is not supported by Megatron-Core's static"):
+        rlhf.grpo(llama, PROMPTS, REWARD, parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+                  nproc_per_node=2)
