@@ -9,7 +9,7 @@ bash ci/setup_env.sh
 .venv/bin/ruff check .
 # --timeout: a hung distributed test fails after 10 minutes instead of eating the CI budget.
 set +e
-# --durations: where the CI budget (30 minutes on 2 cores) goes, printed at the end of every run.
+# --durations: where the CI budget (45 minutes on 2 cores) goes, printed at the end of every run.
 .venv/bin/python -m pytest tests -q -rs --timeout 600 --durations=25 "$@"
 status=$?
 set -e

@@ -260,15 +260,9 @@ def grpo(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward: st
 
 def history(run_dir: str | Path) -> dict[str, list[Any]]:
     """Every step a GRPO run logged (run_dir/metrics.jsonl, across resumed launches): figure -> values."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: no GRPO run has logged into {run_dir}.")
-    by_step = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_step[record["step"]] = record
-    records = [by_step[step] for step in sorted(by_step)]
+    from pai_cookbook import train
+
+    records = train.logged_steps(run_dir)
     return {key: [r.get(key) for r in records] for key in (records[0] if records else {})}
 
 

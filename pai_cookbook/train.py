@@ -138,6 +138,20 @@ def sweep(runs: Mapping[str, RunConfig], *, nproc_per_node: int = 1, run_dir: st
     return dict(zip(runs, result["runs"]))
 
 
+def logged_steps(run_dir: str | Path) -> list[dict[str, Any]]:
+    """run_dir/metrics.jsonl's records in step order, a step logged twice (a launch killed after logging
+    it but before its checkpoint, then resumed) kept as its last record."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: no run has logged into {run_dir}.")
+    by_step = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def history(run_dir: str | Path) -> dict[str, Any]:
     """Every step a run has logged in run_dir/metrics.jsonl, across resumed launches.
 
@@ -147,15 +161,7 @@ def history(run_dir: str | Path) -> dict[str, Any]:
         {"steps", "losses", "valid_losses" ([(step, loss)]), "tokens_per_s", "mfu"}, in step order; with
         emulated FP8 also "fp8": per step, per linear and operand, amax, scale, overflow and underflow.
     """
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: no training run has logged into {run_dir}.")
-    by_step = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_step[record["step"]] = record
-    records = [by_step[step] for step in sorted(by_step)]
+    records = logged_steps(run_dir)
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
             "valid_losses": [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r],
             "tokens_per_s": [r["tokens_per_s"] for r in records], "mfu": [r["mfu"] for r in records]} | (

@@ -50,3 +50,11 @@ def run_scenario(tmp_path):
 
     run.layouts = run_layouts
     return run
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if anything starts a worker: for inputs that must be refused before launch."""
+    def fail(*args, **kwargs):
+        raise AssertionError("a worker was launched for an input that should have been refused")
+    monkeypatch.setattr(launch, "launch", fail)

@@ -166,13 +166,6 @@ def test_end_of_sequence_and_stop_strings_end_a_completion(second_launch):
 # -------------------------------------------------------------------------------------------------
 # Refused before any worker starts (launch is replaced by a function that fails the test)
 # -------------------------------------------------------------------------------------------------
-@pytest.fixture
-def no_launch(monkeypatch):
-    def fail(*args, **kwargs):
-        raise AssertionError("a worker was launched for an input that should have been refused")
-    monkeypatch.setattr(launch, "launch", fail)
-
-
 @pytest.mark.parametrize("fields, message", [
     ({"top_k": 40, "top_p": 0.9}, r"set top_k=0 to sample with top_p, or top_p=0\.0"),
     ({"temperature": 0.0}, r"temperature=0\.0 must be > 0"),

@@ -9,7 +9,6 @@ draw; replay makes the comparison exact in what it feeds).
 import pytest
 
 from pai_cookbook import rlhf
-from pai_cookbook.core import launch
 from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.rl import RLError
 
@@ -71,13 +70,6 @@ def test_tensor_parallel_grpo_equals_one_process_on_the_same_rollouts(sampled, l
         gap = max(abs(a - b) / (1 if absolute else max(abs(a), 1e-12)) for a, b in zip(one, two))
         assert gap < 1e-4, (figure, one, two)
     assert [s["reward"] for s in tp2["steps"]] == [s["reward"] for s in result["steps"]]
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    def fail(*args, **kwargs):
-        raise AssertionError("a worker was launched for an input that should have been refused")
-    monkeypatch.setattr(launch, "launch", fail)
 
 
 @pytest.mark.parametrize("prompts, reward, fields, error, message", [
