@@ -119,8 +119,6 @@ class GRPOJob(Job):
     prompt_ids: list[list[int]]
     eos_ids: list[int]
     pad_id: int
-    prompt_width: int
-    """The longest prompt: every row is prompt_width + max_new_tokens tokens."""
 
     def check(self, world_size: int, device: Any) -> None:
         self.run.validate(world_size, device)
@@ -228,7 +226,7 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
                                     save_interval=config.save_interval, overwrite=overwrite, resume=not overwrite),
         train_iters=config.steps, seed=config.seed)
     return GRPOJob(run=run, grpo=config, reference=str(reference.resolve()), reward=reward, records=records,
-                   prompt_ids=prompt_ids, eos_ids=eos, pad_id=eos[0], prompt_width=width)
+                   prompt_ids=prompt_ids, eos_ids=eos, pad_id=eos[0])
 
 
 def grpo(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward: str, config: GRPOConfig | None = None,

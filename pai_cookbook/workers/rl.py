@@ -101,7 +101,7 @@ def _rewards(job: GRPOJob, rollouts: list[dict[str, Any]], hf_tokenizer) -> list
 
 
 def rows(job: GRPOJob, rollouts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """[rows, prompt_width + max_new_tokens] training rows: prompt + completion, labels shifted by one,
+    """[rows, longest prompt + max_new_tokens] training rows: prompt + completion, labels shifted by one,
     `loss_mask` on the positions that predict a completion token, the engine's log-probabilities there
     (`engine_mask`: without an appended end token, whose log-probability the engine does not return)."""
     n, width = len(rollouts), job.run.data.seq_length
@@ -153,6 +153,7 @@ def logprobs(model: list[torch.nn.Module], job: GRPOJob, batches: list[dict[str,
     stage; an empty list on the others)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    modes = [chunk.training for chunk in model]  # the frozen reference stays in eval mode
     for chunk in model:
         chunk.eval()
     with torch.no_grad():
@@ -160,8 +161,8 @@ def logprobs(model: list[torch.nn.Module], job: GRPOJob, batches: list[dict[str,
             forward_step_func=_logprob_forward, data_iterator=iter(batches), model=model[0],
             num_microbatches=len(batches), seq_length=job.run.data.seq_length,
             micro_batch_size=job.grpo.micro_batch_size, decoder_seq_length=job.run.data.seq_length, forward_only=True)
-    for chunk in model:
-        chunk.train()
+    for chunk, training in zip(model, modes):
+        chunk.train(training)
     return [s["logprobs"].cpu() for s in stored]
 
 
@@ -181,19 +182,6 @@ def _grpo_loss(batch: dict[str, Any], output: torch.Tensor):
     total = ((surrogate + batch["kl_coef"] * kl) * mask).sum()
     report = torch.stack([total, (surrogate * mask).sum(), (kl * mask).sum(), (clipped * mask).sum(), mask.sum()])
     return total * batch["loss_scale"], {"grpo": report.detach()}
-
-
-def _sums(stored: list[dict[str, torch.Tensor]], key: str, width: int) -> torch.Tensor:
-    """A figure's sums over the global batch, on every rank (each DP replica's TP rank 0 on the last stage
-    contributes, as in the training worker's `_global_mean_loss`)."""
-    from megatron.core import parallel_state as ps
-
-    value = torch.zeros(width, dtype=torch.float64)
-    if stored and ps.get_tensor_model_parallel_rank() == 0:
-        value += torch.stack([s[key].double().cpu() for s in stored]).sum(0)
-    value = value.cuda() if torch.cuda.is_available() else value
-    torch.distributed.all_reduce(value)
-    return value.cpu()
 
 
 def _max_over_world(value: float) -> float:
@@ -222,7 +210,7 @@ def update(job: GRPOJob, model, optimizer, scheduler, batches: list[dict[str, An
             decoder_seq_length=job.run.data.seq_length, forward_only=False)
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
-        total, surrogate, kl, clipped, count = _sums(stored, "grpo", 5).tolist()
+        total, surrogate, kl, clipped, count = trainer.global_sums(stored, "grpo", 5).tolist()
         count = max(count, 1.0)
         figures.append({"loss": total / count, "policy_loss": surrogate / count, "kl": kl / count,
                         "clip_fraction": clipped / count, "grad_norm": float(grad_norm or 0.0)})

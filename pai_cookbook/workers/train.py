@@ -148,15 +148,22 @@ def _global_mean_loss(reports: list[dict[str, torch.Tensor]]) -> float:
     Losses exist on the last pipeline stage only; each DP replica's TP-rank-0 contributes its sums and
     counts, and one all-reduce over the world adds them up.
     """
+    total, count = global_sums(reports, "lm loss", 2).tolist()
+    return total / max(count, 1.0)
+
+
+def global_sums(reports: list[dict[str, torch.Tensor]], key: str, width: int) -> torch.Tensor:
+    """The sums a loss function reported under `key` (`width` figures per micro-batch), added over the
+    global batch and returned on every rank, on the CPU, in float64."""
     from megatron.core import parallel_state as ps
 
-    value = torch.zeros(2, dtype=torch.float64)
+    value = torch.zeros(width, dtype=torch.float64)
     if reports and ps.get_tensor_model_parallel_rank() == 0:
-        value += torch.stack([r["lm loss"].double().cpu() for r in reports]).sum(0)
+        value += torch.stack([r[key].double().cpu() for r in reports]).sum(0)
     if torch.cuda.is_available():
         value = value.cuda()
     torch.distributed.all_reduce(value)
-    return float(value[0] / value[1].clamp(min=1))
+    return value.cpu()
 
 
 def micro_batches(config: RunConfig, dataset: Any, step: int, shuffle: bool = True) -> list[dict[str, torch.Tensor]]:
