@@ -105,15 +105,17 @@ class GenerationConfig:
 # --------------------------------------------------------------------------------------------------
 # Inputs: checkpoint, tokenizer, prompt files -- all checked before a worker starts
 # --------------------------------------------------------------------------------------------------
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A cookbook checkpoint folder, or a training save_dir's latest finished iteration."""
+def resolve_checkpoint(path: str | Path, language_model: bool = True) -> Path:
+    """A cookbook checkpoint folder, or a training save_dir's latest finished iteration; with
+    `language_model`, refused when it is a reward model (it has no logits to generate or train from)."""
     path = Path(path)
-    if (path / checkpoint.CONFIG_FILE).exists():
-        return path
-    latest = checkpoint.finished_iterations(path)
-    if latest:
-        return latest[-1]
-    checkpoint.read_config(path)  # raises with what is missing
+    if not (path / checkpoint.CONFIG_FILE).exists():
+        latest = checkpoint.finished_iterations(path)
+        path = latest[-1] if latest else path
+    if language_model and checkpoint.head(path) != "lm":  # head() raises with what is missing
+        raise ConfigError(f"{path} is a reward model (a scalar head instead of logits over the vocabulary): it "
+                          f"scores completions and cannot generate or be trained as a policy. Give a language "
+                          f"model's checkpoint (the reward model's base, for instance).")
     return path
 
 

@@ -66,7 +66,10 @@ class GRPOConfig:
     """Weight of the per-token KL(policy || reference) in the loss; 0 switches the reference off."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     lr: float = 1e-5
-    """Adam's learning rate, constant."""
+    """Adam's learning rate, constant after the warmup."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to lr: Adam's first steps move every weight by about lr whatever the
+    gradient's size, which a small policy may not survive at a learning rate it learns well at later."""
     clip_grad: float = 1.0
     micro_batch_size: int = 8
     """Completions per forward/backward; a step's batch (prompts x group) is split into these."""
@@ -95,6 +98,8 @@ class GRPOConfig:
             raise ConfigError(f"GRPOConfig.kl_coef={self.kl_coef} must be >= 0 (0 switches the KL penalty off).")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"GRPOConfig.kl_estimator={self.kl_estimator!r}; use one of {KL_ESTIMATORS}.")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"GRPOConfig.warmup_steps={self.warmup_steps} must be >= 0.")
         if not self.lr > 0:
             raise ConfigError(f"GRPOConfig.lr={self.lr} must be > 0.")
 
@@ -219,7 +224,7 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
     run = RunConfig(
         model=model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]),
         optimizer=OptimizerConfig(lr=config.lr, min_lr=config.lr, lr_decay_style="constant", weight_decay=0.0,
-                                  clip_grad=config.clip_grad),
+                                  lr_warmup_iters=config.warmup_steps, clip_grad=config.clip_grad),
         data=DataConfig(seq_length=width + config.max_new_tokens, micro_batch_size=config.micro_batch_size,
                         global_batch_size=config.rows),
         checkpoint=CheckpointConfig(load_dir=str(policy), save_dir=str(save_dir) if save_dir else None,

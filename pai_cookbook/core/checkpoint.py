@@ -155,20 +155,49 @@ def _save_collective(state: dict[str, Any], out: str | Path, model: ModelConfig,
 def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dtype: torch.dtype, *,
          assets: Path | None = None, **provenance: Any) -> Path:
     """Save this rank's model chunks (collective: every rank calls it) into `out`, atomically."""
-    return _save_collective(_state(chunks), out, model, dtype, assets, **provenance)
+    return _save_collective(_state(chunks), out, model, dtype, assets, **_marks(chunks), **provenance)
+
+
+def head(ckpt: str | Path) -> str:
+    """What a checkpoint's last layer is: "lm" (logits over the vocabulary) or "reward" (a scalar head)."""
+    read_config(ckpt)
+    return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("head", "lm")
+
+
+def _head_of(chunks: list[torch.nn.Module]) -> str:
+    from pai_cookbook.core.model import ScalarHead
+
+    return "reward" if any(isinstance(m, ScalarHead) for chunk in chunks for m in chunk.modules()) else "lm"
+
+
+def _marks(chunks: list[torch.nn.Module]) -> dict[str, str]:
+    return {"head": "reward"} if _head_of(chunks) == "reward" else {}
 
 
 def load(chunks: list[torch.nn.Module], ckpt: str | Path) -> None:
-    """Load a checkpoint into this rank's model chunks, whatever layout it was saved at."""
+    """Load a checkpoint into this rank's model chunks, whatever layout it was saved at.
+
+    A reward model (`build_model(head="reward")`) loads a language model's checkpoint as its start: every
+    weight but the output layer, whose place its own new head takes. The other way round is refused.
+    """
     from megatron.core import dist_checkpointing
 
-    read_config(ckpt)  # a clear error for a folder that is not a (finished) cookbook checkpoint
-    state = dist_checkpointing.load(_state(chunks), str(ckpt))
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(state["model"])
-        return
+    saved, wanted = head(ckpt), _head_of(chunks)  # head() raises clearly for a folder that is no checkpoint
+    if saved != wanted and wanted == "lm":
+        raise ValueError(f"{ckpt} is a reward model (a scalar head, no logits over the vocabulary): it scores "
+                         f"completions (pai_cookbook.reward_model) but cannot be loaded as a language model.")
+    fresh_head = saved != wanted  # a language model's weights under a new reward head
+    requested = _state(chunks)
+    if fresh_head:
+        for state in requested.values():
+            for key in [k for k in state if k.startswith("output_layer.")]:
+                del state[key]
+    state = dist_checkpointing.load(requested, str(ckpt))
     for i, chunk in enumerate(chunks):  # virtual PP: all chunks were loaded in one call
-        chunk.load_state_dict(state[f"model{i}"])
+        missing, unexpected = chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"],
+                                                    strict=not fresh_head)
+        if fresh_head and (unexpected or any(not k.startswith("output_layer.") for k in missing)):
+            raise ValueError(f"loading {ckpt} under a reward head: missing {missing}, unexpected {unexpected}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,7 +252,8 @@ def save_training(chunks, optimizer, scheduler, step: int, save_dir: str | Path,
                   dtype: torch.dtype, layout: dict[str, int], *, keep_last: int, assets: Path | None = None) -> Path:
     """Save everything a run needs to continue exactly (collective), then keep only the last `keep_last`."""
     out = _save_collective(_training_state(chunks, optimizer, scheduler, step, is_loading=False),
-                           iteration_dir(save_dir, step), model, dtype, assets, step=step, saved_at=layout)
+                           iteration_dir(save_dir, step), model, dtype, assets, step=step, saved_at=layout,
+                           **_marks(chunks))
     if torch.distributed.get_rank() == 0:
         for old in finished_iterations(save_dir)[:-keep_last]:
             shutil.rmtree(old)

@@ -213,11 +213,18 @@ def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | 
     return spec
 
 
+HEADS = ("lm", "reward")
+
+
 def build_model(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
-                device: DeviceInfo, seed: int, memory: MemoryConfig | None = None) -> list[torch.nn.Module]:
+                device: DeviceInfo, seed: int, memory: MemoryConfig | None = None,
+                head: str = "lm") -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) on its device.
 
     Must run inside a worker after `runtime.init_distributed`.
+
+    head: "lm", the language model's output layer (logits over the vocabulary); "reward", a `ScalarHead`
+        in its place (one score per position, [batch, seq, 1] from the model), untied from the embedding.
 
     Returns:
         A list of `GPTModel` chunks (length 1 unless virtual pipeline parallelism is on).
@@ -241,7 +248,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            share_embeddings_and_output_weights=model.tie_word_embeddings and head == "lm",
             position_embedding_type=model.position_embedding_type,
             rotary_percent=model.rotary_percent,
             rotary_base=int(model.rotary_base),
@@ -249,8 +256,12 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             rope_scaling_factor=model.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         )
+        if gpt.post_process and head == "reward":
+            gpt.output_layer = ScalarHead(model.hidden_size, model.init_method_std, seed)
+        elif head != "lm":
+            raise ValueError(f"head {head!r}: one of {HEADS}")
         _params_to(gpt, config.params_dtype)
-        if gpt.post_process:
+        if gpt.post_process and head == "lm":
             mask_vocab_padding(gpt.output_layer, model.vocab_size)
         if device.is_cuda:
             gpt.cuda(torch.cuda.current_device())
@@ -262,6 +273,29 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
         fp8_numerics.keep_layers_in_bf16(chunks, fp8.num_layers_at_start_in_bf16, fp8.num_layers_at_end_in_bf16,
                                          model.num_layers)
     return chunks
+
+
+class ScalarHead(torch.nn.Module):
+    """A reward model's head in place of GPTModel's output layer: hidden states [seq, batch, hidden] -> one
+    score per position [seq, batch, 1] (Hugging Face's `...ForSequenceClassification.score` with one label).
+
+    One [1, hidden] weight, replicated on every tensor-parallel rank: the final norm's output it reads is
+    whole on each of them (sequence parallelism, which would split it, is refused for reward models), so
+    every rank computes the same scores and the same gradient. It takes GPTModel's output-layer call
+    (`weight`, `runtime_gather_output`) and ignores both; its checkpoint entry is Megatron-Core's default
+    for a module without sharded state: a replicated tensor under `output_layer.weight`.
+    """
+
+    def __init__(self, hidden_size: int, std: float, seed: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size))
+        if not self.weight.is_meta:  # drawn on the CPU from its own stream: the same on every rank and layout
+            generator = torch.Generator().manual_seed((seed + 1) * _LAYER_SEED_STRIDE - 1)  # no layer's
+            with torch.no_grad():
+                self.weight.normal_(0.0, std, generator=generator)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        return F.linear(hidden, self.weight), None
 
 
 def mask_vocab_padding(output_layer: torch.nn.Module, vocab_size: int) -> None:

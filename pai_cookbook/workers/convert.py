@@ -26,14 +26,14 @@ from pai_cookbook.core import checkpoint, families, hf_mapping, layout, worker
 from pai_cookbook.core.config import ModelConfig, ParallelConfig, PrecisionConfig
 
 
-def meta_model(model: ModelConfig, dtype: torch.dtype):
+def meta_model(model: ModelConfig, dtype: torch.dtype, head: str = "lm"):
     """The TP=1/PP=1 GPTModel on the meta device: every name, shape and chunk layout, no memory."""
     from pai_cookbook.core.model import build_model
     from pai_cookbook.core.runtime import detect_device
 
     precision = PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype])
     with torch.device("meta"):
-        (gpt,) = build_model(model, ParallelConfig(), precision, detect_device(), seed=0)
+        (gpt,) = build_model(model, ParallelConfig(), precision, detect_device(), seed=0, head=head)
     return gpt
 
 
@@ -65,7 +65,7 @@ class Chunk:
     """(size, stride, storage offset) of the chunk inside the parameter (SwiGLU fc1 has two chunks)."""
 
 
-def chunk_layout(model: ModelConfig, dtype: torch.dtype) -> tuple[list[Chunk], dict[str, Any]]:
+def chunk_layout(model: ModelConfig, dtype: torch.dtype, head: str = "lm") -> tuple[list[Chunk], dict[str, Any]]:
     """Every chunk of the checkpoint of `model`, and the PyTorch-DCP state dict that describes them.
 
     Taken from a meta-device model's `sharded_state_dict()` with factories applied, so keys, stacking
@@ -78,7 +78,7 @@ def chunk_layout(model: ModelConfig, dtype: torch.dtype) -> tuple[list[Chunk], d
         mcore_to_pyt_state_dict,
     )
 
-    state = meta_model(model, dtype).sharded_state_dict()
+    state = meta_model(model, dtype, head).sharded_state_dict()
     apply_factories(state)
     chunks = []
     for param, value in state.items():
@@ -178,7 +178,7 @@ def _region_planner(regions: dict[str, tuple[str, tuple[int, ...]]]):
     return RegionPlanner()
 
 
-def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype):
+def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype, head: str = "lm"):
     """Yield (Megatron name, whole tensor) from a torch_dist checkpoint, one parameter in memory at a time.
 
     Each parameter's chunks are read as regions of the stacked tensors (only those bytes are read) and
@@ -186,8 +186,8 @@ def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype):
     """
     from torch.distributed.checkpoint import FileSystemReader, load
 
-    chunks, _ = chunk_layout(model, dtype)
-    shapes = dict((name, p.shape) for name, p in meta_model(model, dtype).named_parameters())
+    chunks, _ = chunk_layout(model, dtype, head)
+    shapes = dict((name, p.shape) for name, p in meta_model(model, dtype, head).named_parameters())
     by_param: dict[str, list[Chunk]] = {}
     for chunk in chunks:
         by_param.setdefault(chunk.param, []).append(chunk)
@@ -202,10 +202,12 @@ def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype):
 
 
 def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
-    """Export a torch_dist checkpoint to HF safetensors shards + index in `partial` (1-process worker)."""
+    """Export a torch_dist checkpoint to HF safetensors shards + index in `partial` (1-process worker); a
+    reward model as `...ForSequenceClassification` (its scalar head as `score.weight`, `reward_hf_config`)."""
     from safetensors.torch import save_file
 
     model, dtype = checkpoint.read_config(ckpt)
+    head = checkpoint.head(ckpt)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes, files, weight_map, total = 0, [], {}, 0
 
@@ -216,8 +218,9 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
         files.append(name)
         shards[-1], shard_bytes = {}, 0
 
-    for name, tensor in iter_megatron_params(ckpt, model, dtype):
-        kind, hf_names = hf_mapping.hf_names(name, model)
+    for name, tensor in iter_megatron_params(ckpt, model, dtype, head):
+        kind, hf_names = ("copy", ("score.weight",)) if head == "reward" and name == "output_layer.weight" \
+            else hf_mapping.hf_names(name, model)
         for hf_name, hf_tensor in zip(hf_names, hf_mapping.to_hf(kind, tensor, model)):
             size = hf_tensor.numel() * hf_tensor.element_size()
             if shard_bytes and shard_bytes + size > max_shard_bytes:
@@ -238,8 +241,31 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
     source_config = assets / "config.json"
     config = families.to_hf(model, json.loads(source_config.read_text()) if source_config.exists() else None)
     config.dtype = dtype
+    if head == "reward":
+        reward_hf_config(config, partial)
     config.save_pretrained(partial)  # written after the assets: the config is the checkpoint's own
     return {"shards": len(files), "tensors": len(weight_map), "bytes": total, "assets": copied}
+
+
+def reward_hf_config(config, folder: Path) -> None:
+    """Make `config` a one-label `...ForSequenceClassification`, and its tokenizer pad with a token that never
+    ends a sequence: transformers reads the score at each row's last token that is not `pad_token_id`, and the
+    cookbook's reward is read at the end-of-turn token, which many chat tokenizers also pad with."""
+    from pai_cookbook.core import tokenizer as tokenizers
+
+    config.architectures = [name.replace("ForCausalLM", "ForSequenceClassification") for name in config.architectures]
+    config.num_labels, config.tie_word_embeddings = 1, False
+    hf = tokenizers.load(folder)
+    ends = set(tokenizers.eos_ids(folder, hf))
+    candidates = [(hf.pad_token, hf.pad_token_id), (hf.unk_token, hf.unk_token_id)]
+    pad = next(((text, i) for text, i in candidates if i is not None and i not in ends), None)
+    if pad is None:
+        raise ValueError(f"the tokenizer's pad and unknown tokens are end tokens or missing: no padding token the "
+                         f"exported reward model could tell from a sequence's end (pad {hf.pad_token!r}, unk "
+                         f"{hf.unk_token!r}, ends {sorted(ends)}).")
+    hf.pad_token = pad[0]
+    hf.save_pretrained(folder)
+    config.pad_token_id = pad[1]
 
 
 def reshard(src: Path, out: Path, parallel: ParallelConfig, device) -> dict[str, Any]:
@@ -247,7 +273,8 @@ def reshard(src: Path, out: Path, parallel: ParallelConfig, device) -> dict[str,
     from pai_cookbook.core.model import build_model
 
     model, dtype = checkpoint.read_config(src)
-    chunks = build_model(model, parallel, PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]), device, 0)
+    chunks = build_model(model, parallel, PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]), device, 0,
+                         head=checkpoint.head(src))
     checkpoint.load(chunks, src)
     saved_at = layout.record(parallel, torch.distributed.get_world_size())
     checkpoint.save(chunks, out, model, dtype, assets=src / checkpoint.HF_ASSETS, resharded_from=str(src),

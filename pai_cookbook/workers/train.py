@@ -110,14 +110,15 @@ def uses_te_attention(model: list[torch.nn.Module]) -> bool:
     return any(type(m).__name__ == "TEDotProductAttention" for m in model[0].modules())
 
 
-def build(config: RunConfig, device: DeviceInfo):
-    """Model chunks wrapped in Megatron DDP, the Megatron optimizer and the LR schedule."""
+def build(config: RunConfig, device: DeviceInfo, head: str = "lm"):
+    """Model chunks wrapped in Megatron DDP, the Megatron optimizer and the LR schedule (`head`: see
+    `core.model.build_model`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opt = config.optimizer
-    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed, config.memory)
+    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed, config.memory, head)
     tconfig = chunks[0].config
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=opt.use_distributed_optimizer)

@@ -1,0 +1,174 @@
+"""The reward-model worker: Bradley-Terry training of a GPT with a scalar head, through the training worker's
+DDP, optimizer and pipeline schedule.
+
+Its job is a `pai_cookbook.reward_model.RewardModelJob`. Every step draws `global_batch_size` pairs (passes
+over the pair set, each in an order seeded by (seed, pass)), gives each data-parallel rank its share and
+runs them as micro-batches of `micro_batch_size` pairs: the chosen sequences, then the rejected ones, right-
+padded to one width. The model's scores at each sequence's last token make the pair's loss; the loss is
+summed and scaled to its share of the global per-pair mean (`workers.train._per_token_scale` with one
+count per pair). Held-out pairs are scored forward-only; their accuracy is the share of pairs whose chosen
+sequence scores higher.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook.core import checkpoint, layout, worker
+from pai_cookbook.core.model import torch_dtype
+from pai_cookbook.reward_model import RewardModelJob
+from pai_cookbook.workers import train as trainer
+
+_SEED_STRIDE = 1_000_003
+
+
+def step_pairs(count: int, step: int, per_step: int, seed: int) -> list[int]:
+    """Indices of step `step`'s pairs: consecutive passes over the set, each in an order seeded by (seed, pass)."""
+    chosen, orders = [], {}
+    for position in range(step * per_step, (step + 1) * per_step):
+        epoch, index = divmod(position, count)
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(count, generator=torch.Generator().manual_seed(seed * _SEED_STRIDE + epoch))
+        chosen.append(int(orders[epoch][index]))
+    return chosen
+
+
+Pair = tuple[list[int], list[int], float]
+"""(chosen ids, rejected ids, margin)"""
+
+
+def pairs_of(job: RewardModelJob, split: str) -> list[Pair]:
+    ids, margins = (job.train_pairs, job.train_margins) if split == "train" else (job.valid_pairs, job.valid_margins)
+    return [(chosen, rejected, margin) for (chosen, rejected), margin in zip(ids, margins)]
+
+
+def pair_batch(job: RewardModelJob, pairs: list[Pair]) -> dict[str, torch.Tensor]:
+    """One micro-batch: rows [chosen of each pair..., rejected of each pair...], right-padded to the run's
+    sequence length; `last`: each row's last token; `margin` per pair; `loss_count`: the pairs."""
+    width, rows = job.run.data.seq_length, [p[0] for p in pairs] + [p[1] for p in pairs]
+    tokens = torch.full((len(rows), width), job.pad_id, dtype=torch.long)
+    for row, ids in enumerate(rows):
+        tokens[row, :len(ids)] = torch.tensor(ids)
+    return {"tokens": tokens, "last": torch.tensor([len(ids) - 1 for ids in rows]),
+            "margin": torch.tensor([p[2] for p in pairs]), "loss_count": torch.tensor(float(len(pairs)))}
+
+
+def micro_batches(job: RewardModelJob, pairs: list[Pair]) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's share of `pairs`, in micro-batches."""
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    per_rank = len(pairs) // dp_size
+    mine = pairs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    size = job.rm.micro_batch_size
+    return [pair_batch(job, mine[start:start + size]) for start in range(0, len(mine), size)]
+
+
+def _forward(data_iterator, model):
+    batch = next(data_iterator)
+    return trainer.model_forward(model, batch, labels=False), partial(_pair_loss, batch)
+
+
+def _pair_loss(batch: dict[str, Any], output: torch.Tensor):
+    """Bradley-Terry over the micro-batch's pairs (summed, scaled to the global mean), and the sums behind
+    the logged loss, accuracy and margin; `scores` keeps each pair's (chosen, rejected) scores."""
+    scores = output[torch.arange(output.shape[0], device=output.device), batch["last"].to(output.device), 0].float()
+    chosen, rejected = scores.chunk(2)
+    difference = chosen - rejected
+    losses = -torch.nn.functional.logsigmoid(difference - batch["margin"].to(difference))
+    total = losses.sum()
+    report = torch.stack([total, (difference > 0).sum().to(total), difference.sum(), batch["loss_count"].to(total)])
+    return total * batch.get("loss_scale", 1.0), {"pairs": report.detach(),
+                                                   "scores": torch.stack([chosen, rejected], 1).detach().cpu()}
+
+
+def run_pairs(job: RewardModelJob, model, batches: list[dict[str, Any]], forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    scale = trainer._per_token_scale(batches)
+    batches = [b | {"loss_scale": scale} for b in batches]
+    return get_forward_backward_func()(
+        forward_step_func=_forward, data_iterator=iter(batches), model=model[0], num_microbatches=len(batches),
+        seq_length=job.run.data.seq_length, micro_batch_size=2 * job.rm.micro_batch_size,
+        decoder_seq_length=job.run.data.seq_length, forward_only=forward_only)
+
+
+def _figures(reports) -> dict[str, float]:
+    total, correct, margin, count = trainer.global_sums(reports, "pairs", 4).tolist()
+    count = max(count, 1.0)
+    return {"loss": total / count, "accuracy": correct / count, "margin": margin / count}
+
+
+def evaluate(job: RewardModelJob, model) -> tuple[dict[str, float], list[list[float]]]:
+    """Held-out loss and accuracy over every held-out pair, and their (chosen, rejected) scores in order
+    (on every rank)."""
+    from megatron.core import parallel_state as ps
+
+    pairs = pairs_of(job, "valid")  # whole micro-batches on every rank (pipeline stages exchange fixed shapes)
+    usable = len(pairs) - len(pairs) % (ps.get_data_parallel_world_size() * job.rm.micro_batch_size)
+    for chunk in model:
+        chunk.eval()
+    with torch.no_grad():
+        reports = run_pairs(job, model, micro_batches(job, pairs[:usable]), forward_only=True)
+    for chunk in model:
+        chunk.train()
+    mine = torch.cat([r["scores"] for r in reports]).tolist() if reports and ps.get_tensor_model_parallel_rank() == 0 \
+        else None
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (ps.get_data_parallel_rank(), mine))
+    by_rank = dict(entry for entry in gathered if entry[1] is not None)
+    return _figures(reports) | {"pairs": usable}, [s for rank in sorted(by_rank) for s in by_rank[rank]]
+
+
+def train(job: RewardModelJob, device) -> dict[str, Any]:
+    config = job.run
+    model, optimizer, scheduler = trainer.build(config, device, head="reward")
+    first_step, started_from = trainer._restore(config, model, optimizer, scheduler)
+    ckpt, dtype = config.checkpoint, torch_dtype(config.precision)
+    log = trainer.StepLog(config, device, fresh=first_step == 0)
+    history, valid, scores, saved = [], [], [], None
+    interval, pairs = job.rm.eval_interval, pairs_of(job, "train")
+    for step in range(first_step, config.train_iters):
+        indices = step_pairs(len(pairs), step, job.rm.global_batch_size, config.seed)
+        batches = micro_batches(job, [pairs[i] for i in indices])
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = run_pairs(job, model, batches, forward_only=False)
+        _, grad_norm, _ = optimizer.step()
+        figures = _figures(reports) | {"grad_norm": float(grad_norm or 0.0), "lr": optimizer.param_groups[0]["lr"]}
+        scheduler.step(increment=1)
+        done = step + 1
+        last = done == config.train_iters
+        if job.valid_pairs and (last or (interval and done % interval == 0)):
+            held_out, scores = evaluate(job, model)
+            valid.append({"step": done} | held_out)
+            figures |= {"valid_loss": held_out["loss"], "valid_accuracy": held_out["accuracy"]}
+        if ckpt.save_dir and (last or (ckpt.save_interval and done % ckpt.save_interval == 0)):
+            saved = checkpoint.save_training(
+                [m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model, dtype,
+                layout.record(config.parallel, torch.distributed.get_world_size()), keep_last=ckpt.keep_last,
+                assets=Path(ckpt.load_dir) / checkpoint.HF_ASSETS)
+        history.append(figures)
+        log.write(done, figures)
+        if worker.rank() == 0:
+            worker.progress(done, config.train_iters, loss=figures["loss"], accuracy=figures["accuracy"])
+    log.close()
+    return {"first_step": first_step, "started_from": started_from, "steps": history, "valid": valid,
+            "valid_scores": {"chosen": [s[0] for s in scores], "rejected": [s[1] for s in scores]},
+            "checkpoint": str(saved) if saved else None, "world_size": torch.distributed.get_world_size(),
+            "device": device.name}
+
+
+@worker.entry(RewardModelJob)
+def main(job: RewardModelJob) -> dict[str, Any]:
+    with worker.session(job.run.parallel, job.run.seed) as device:
+        return train(job, device)
+
+
+if __name__ == "__main__":
+    main()
