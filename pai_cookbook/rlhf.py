@@ -273,3 +273,24 @@ def read_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
     """The completions a run sampled, one record per completion: step, prompt index, group, tokens, reward."""
     path = Path(run_dir) / "rollouts.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sampled_reward(ckpt: str | Path, prompts: Sequence[dict[str, Any]], reward: str, *, samples: int = 2,
+                   max_new_tokens: int = 16, seed: int = 99, run_dir: str | Path = "runs/sampled_reward",
+                   **generate_kwargs: Any) -> dict[str, Any]:
+    """A checkpoint's mean reward on `prompts` as GRPO samples them (temperature 1, neither top-k nor top-p),
+    `samples` completions per prompt with a fixed seed: the held-out figure that says whether RL helped.
+
+    Returns:
+        {"reward": the mean, "records": each completion with its prompt's fields and "reward"}.
+    """
+    from pai_cookbook import generate
+
+    function = resolve_reward(reward)
+    config = generate.GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, top_k=0, top_p=0.0,
+                                       repetition_penalty=1.0, batch_size=len(prompts) * samples, seed=seed)
+    asked = [dict(p) for p in prompts for _ in range(samples)]
+    records = generate.generate(ckpt, asked, config, run_dir=run_dir, **generate_kwargs)["records"]
+    for record in records:
+        record["reward"] = score(function, record["completion"], record)
+    return {"reward": sum(r["reward"] for r in records) / len(records), "records": records}

@@ -58,6 +58,18 @@ def test_engine_log_probabilities_are_the_trainers_at_every_step(sampled):
 
 
 @pytest.mark.multiproc
+def test_the_same_seed_samples_the_same_run(sampled, llama, tmp_path):
+    """Sampling seeded by (seed, step), prompts by (seed, pass): a second run draws the same completions,
+    so its reward curve is the first run's (the learning rate is constant: 2 steps are the first 2 of 5)."""
+    result, run_dir = sampled
+    again = rlhf.grpo(llama, PROMPTS, REWARD, CONFIG.__class__(**{**vars(CONFIG), "steps": 2}), run_dir=tmp_path,
+                      show_progress=False, echo=False)
+    assert [s["reward"] for s in again["steps"]] == [s["reward"] for s in result["steps"][:2]]
+    first = [r["tokens"] for r in rlhf.read_rollouts(run_dir) if r["step"] < 2]
+    assert [r["tokens"] for r in rlhf.read_rollouts(tmp_path)] == first
+
+
+@pytest.mark.multiproc
 def test_tensor_parallel_grpo_equals_one_process_on_the_same_rollouts(sampled, llama, tmp_path):
     result, run_dir = sampled
     replay = CONFIG.__class__(**{**vars(CONFIG), "rollouts": str(run_dir / "rollouts.jsonl")})

@@ -232,6 +232,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    if head not in HEADS:
+        raise ValueError(f"head {head!r}: one of {HEADS}")
     config = transformer_config(model, parallel, precision, device, memory)
     config.init_seed = seed  # read by SeededTransformerLayer
     config.cookbook_fp8 = precision.fp8  # read by layer_spec and the emulated FP8 linears
@@ -258,8 +260,6 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
         )
         if gpt.post_process and head == "reward":
             gpt.output_layer = ScalarHead(model.hidden_size, model.init_method_std, seed)
-        elif head != "lm":
-            raise ValueError(f"head {head!r}: one of {HEADS}")
         _params_to(gpt, config.params_dtype)
         if gpt.post_process and head == "lm":
             mask_vocab_padding(gpt.output_layer, model.vocab_size)
