@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, layout, worker
-from pai_cookbook.core.model import torch_dtype
+from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.reward_model import RewardModelJob
 from pai_cookbook.workers import train as trainer
 
@@ -128,7 +127,7 @@ def train(job: RewardModelJob, device) -> dict[str, Any]:
     config = job.run
     model, optimizer, scheduler = trainer.build(config, device, head="reward")
     first_step, started_from = trainer._restore(config, model, optimizer, scheduler)
-    ckpt, dtype = config.checkpoint, torch_dtype(config.precision)
+    ckpt = config.checkpoint
     log = trainer.StepLog(config, device, fresh=first_step == 0)
     history, valid, scores, saved = [], [], [], None
     interval, pairs = job.rm.eval_interval, pairs_of(job, "train")
@@ -148,11 +147,8 @@ def train(job: RewardModelJob, device) -> dict[str, Any]:
             held_out, scores = evaluate(job, model)
             valid.append({"step": done} | held_out)
             figures |= {"valid_loss": held_out["loss"], "valid_accuracy": held_out["accuracy"]}
-        if ckpt.save_dir and (last or (ckpt.save_interval and done % ckpt.save_interval == 0)):
-            saved = checkpoint.save_training(
-                [m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model, dtype,
-                layout.record(config.parallel, torch.distributed.get_world_size()), keep_last=ckpt.keep_last,
-                assets=Path(ckpt.load_dir) / checkpoint.HF_ASSETS)
+        saved = trainer.save_if_due(config, model, optimizer, scheduler, done,
+                                    Path(ckpt.load_dir) / checkpoint.HF_ASSETS) or saved
         history.append(figures)
         log.write(done, figures)
         if worker.rank() == 0:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from pai_cookbook import rl, rlhf
-from pai_cookbook.core import checkpoint, layout, worker
+from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.core.model import build_model, torch_dtype
 from pai_cookbook.core.tokenizer import MegatronView
 from pai_cookbook.generate import GenerationConfig
@@ -313,12 +313,8 @@ def train(job: GRPOJob, device) -> dict[str, Any]:
     for step in range(first_step, job.grpo.steps):
         figures, rollouts = grpo_step(job, step, model, reference, optimizer, scheduler, engine, hf_tokenizer, replay)
         done = step + 1
-        last = done == job.grpo.steps
-        if ckpt.save_dir and (last or (ckpt.save_interval and done % ckpt.save_interval == 0)):
-            saved = checkpoint.save_training(
-                [m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model, dtype,
-                layout.record(config.parallel, torch.distributed.get_world_size()), keep_last=ckpt.keep_last,
-                assets=Path(ckpt.load_dir) / checkpoint.HF_ASSETS)
+        saved = trainer.save_if_due(config, model, optimizer, scheduler, done,
+                                    Path(ckpt.load_dir) / checkpoint.HF_ASSETS) or saved
         history.append(figures)
         log.write(done, figures)
         if dump is not None:

@@ -279,6 +279,18 @@ class StepLog:
             self.tensorboard.close()
 
 
+def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | None) -> Path | None:
+    """Save a training checkpoint after step `done` when it is the last or a multiple of save_interval
+    (collective); returns its folder, or None when none was due."""
+    ckpt = config.checkpoint
+    if not ckpt.save_dir or not (done == config.train_iters or (ckpt.save_interval and done % ckpt.save_interval == 0)):
+        return None
+    return checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model,
+                                    torch_dtype(config.precision),
+                                    layout.record(config.parallel, torch.distributed.get_world_size()),
+                                    keep_last=ckpt.keep_last, assets=assets)
+
+
 def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | None]:
     """Resume from save_dir's latest checkpoint, or start from load_dir's weights; returns (step, source)."""
     ckpt = config.checkpoint
@@ -308,7 +320,7 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
     elif config.data.source == "sft":
         train_set = sft.load(config.data.paths[0], "train")
         valid_set = sft.load(config.data.paths[0], "valid") if config.eval_interval else None
-    ckpt, dtype = config.checkpoint, torch_dtype(config.precision)
+    ckpt = config.checkpoint
     assets = Path(ckpt.load_dir) / checkpoint.HF_ASSETS if ckpt.load_dir else _dataset_tokenizer(config)
     tokens_per_step = config.data.global_batch_size * config.data.seq_length
     history: list[dict[str, float]] = []
@@ -334,12 +346,7 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
             history[-1]["valid_loss"] = valid_losses[-1][1]
             if fp8_backend == "emulated":
                 fp8.collect([m.module for m in model])  # validation's quantizations are not the next step's
-        if ckpt.save_dir and (last or (ckpt.save_interval and done % ckpt.save_interval == 0)):
-            saved = checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir,
-                                             config.model, dtype,
-                                             layout.record(config.parallel, torch.distributed.get_world_size()),
-                                             keep_last=ckpt.keep_last,
-                                             assets=assets)
+        saved = save_if_due(config, model, optimizer, scheduler, done, assets) or saved
         log.write(done, history[-1])
         if worker.rank() == 0 and (done % config.log_interval == 0 or last):
             shown = ("loss", "lr", "tokens_per_s") + (("min_load", "max_load") if router else ())
