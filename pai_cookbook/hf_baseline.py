@@ -123,6 +123,9 @@ def trl_reward_model(hf_dir: str | Path, pairs: Sequence[dict[str, Any]], valid:
     Returns:
         {"accuracy": held-out pairwise accuracy, "losses": per logged step, "seconds"}.
     """
+    import warnings
+
+    import datasets
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
     from trl import RewardConfig, RewardTrainer
@@ -133,18 +136,27 @@ def trl_reward_model(hf_dir: str | Path, pairs: Sequence[dict[str, Any]], valid:
                     "rejected": [{"role": "assistant", "content": pair["rejected"]}]}
         return {"prompt": pair["prompt"], "chosen": pair["chosen"], "rejected": pair["rejected"]}
 
-    config = RewardConfig(
-        output_dir=str(out_dir), max_steps=steps, learning_rate=lr, per_device_train_batch_size=batch_size,
-        per_device_eval_batch_size=len(valid), warmup_steps=warmup_steps, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": 0.1}, adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0,
-        seed=seed, data_seed=seed, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-        disable_tqdm=True, dataloader_drop_last=True)
-    trainer = RewardTrainer(model=str(hf_dir), args=config, train_dataset=Dataset.from_list([record(p) for p in pairs]),
-                            eval_dataset=Dataset.from_list([record(p) for p in valid]))
-    trainer.remove_callback(PrinterCallback)  # a dict printed per step; the losses are in the log history
-    start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start
-    metrics = trainer.evaluate()
+    with warnings.catch_warnings():  # TRL 1.16 sets an argument transformers 5 renamed: nothing to change here
+        warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+        config = RewardConfig(
+            output_dir=str(out_dir), max_steps=steps, learning_rate=lr, per_device_train_batch_size=batch_size,
+            per_device_eval_batch_size=len(valid), warmup_steps=warmup_steps, lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": 0.1}, adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0,
+            seed=seed, data_seed=seed, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+            disable_tqdm=True, dataloader_drop_last=True)
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a text bar per tokenizing pass; nothing to watch at this size
+    try:
+        trainer = RewardTrainer(model=str(hf_dir), args=config,
+                                train_dataset=Dataset.from_list([record(p) for p in pairs]),
+                                eval_dataset=Dataset.from_list([record(p) for p in valid]))
+        trainer.remove_callback(PrinterCallback)  # a dict printed per step; the losses are in the log history
+        start = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - start
+        metrics = trainer.evaluate()
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
     return {"accuracy": metrics["eval_accuracy"], "seconds": seconds,
             "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}

@@ -244,3 +244,43 @@ def fp8_heatmap(histories: Mapping[str, Sequence[Mapping]], role: str = "grad", 
     fig.colorbar(image, ax=axes[:, 0].tolist(), label=f"{operand} {figure} fraction")
     fig.suptitle(f"{operand.capitalize()} values that {'rounded to zero' if figure == 'underflow' else 'saturated'}")
     return _finish(fig, path, tight=False)
+
+
+def rl_curves(histories: Mapping[str, Mapping[str, Sequence[float]]],
+              figures: Sequence[tuple[str, str]] = (("reward", "mean reward of the batch"),
+                                                    ("kl", "KL to the reference (per token)"),
+                                                    ("entropy", "entropy (nats per token)")),
+              path: str | Path | None = None, window: int = 4):
+    """One panel per logged figure of RL runs (`rlhf.history`), each run a line: its raw per-step values faint,
+    a `window`-step moving average over them."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(figures), figsize=(4.2 * len(figures), 3.4))
+    for ax, (key, label) in zip(axes, figures):
+        for i, (run, history) in enumerate(histories.items()):
+            values = [v for v in history[key] if v is not None]
+            steps = range(1, len(values) + 1)
+            color = f"C{i}"
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+            ax.plot(steps, _smooth(values, window), color=color, linewidth=2, label=run)
+        ax.set_xlabel("step")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    return _finish(fig, path)
+
+
+def reward_margins(chosen: Sequence[float], rejected: Sequence[float], path: str | Path | None = None,
+                   title: str = "Reward model on held-out pairs"):
+    """Histogram of r(chosen) - r(rejected) per held-out pair: right of 0 is a pair ranked right."""
+    import matplotlib.pyplot as plt
+
+    differences = [c - r for c, r in zip(chosen, rejected)]
+    right = sum(d > 0 for d in differences) / len(differences)
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.hist(differences, bins=40, color="tab:blue", alpha=0.8)
+    ax.axvline(0, color="tab:red", linestyle="--")
+    ax.set_xlabel("r(chosen) - r(rejected)")
+    ax.set_ylabel("pairs")
+    ax.set_title(f"{title}: {right:.1%} ranked right")
+    return _finish(fig, path)

@@ -126,6 +126,22 @@ def check_sft(m: dict) -> None:
     assert max(abs(x / m["split_per_token"][0] - 1) for x in m["split_mean_of_means"]) > 1e-3
 
 
+def check_rlhf(m: dict) -> None:
+    # The starting policy learnt its fine-tuning data, mistakes included.
+    assert m["sft_final_loss"] < m["sft_first_loss"] - 5
+    # Reward model: the issue's >= 0.90 held-out pairwise accuracy where length alone scores <= 0.60 (the pairs
+    # have equal lengths: 0.50); its Hugging Face export scores as Megatron-Core does; TRL's RewardTrainer on
+    # the same pairs from the same model within 5 points.
+    assert m["rm_accuracy"] >= 0.90 and m["rm_length_baseline"] <= 0.60
+    assert m["rm_export_gap"] < 1e-4
+    assert m["trl_accuracy"] is not None and abs(m["trl_accuracy"] - m["rm_accuracy"]) <= 0.05
+    # GRPO: held-out sampled reward up by the 0.15 (or to 0.95); the shuffled-reward control not
+    # above +0.03.
+    assert m["after_reward"] - m["before_reward"] >= 0.15 or m["after_reward"] >= 0.95
+    assert m["control_reward"] - m["before_reward"] <= 0.03
+    assert m["final_kl"] > 0
+
+
 # Notebooks executed twice into one OUTPUT_DIR, first with these parameters, then with their defaults.
 RESUME_FIRST = {"TRAIN_ITERS": 100}
 RUN_TWICE = {"03_continued_pretraining": RESUME_FIRST}
@@ -139,6 +155,7 @@ CHECKS = {
     "05_moe": check_moe,
     "06_supervised_finetuning": check_sft,
     "07_inference": check_inference,
+    "08_rlhf": check_rlhf,
 }
 
 

@@ -46,6 +46,8 @@ CPU_BENIGN_WARNINGS = ("When using async grad allreduce",)
 ALWAYS_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
                           "full scope is deprecated", "`load_state_dict` is deprecated", "Please use DTensor instead",
                           "The pad token id in the tokenizer collides",
+                          # Megatron-Core 0.16 announcing the static engine's future removal (GRPO's rollouts use it)
+                          "The static engine will be deprecated",
                           # torch's deprecation of the collective Megatron-Core's MoE dispatcher calls
                           "`torch.distributed.all_gather_into_tensor` is deprecated")
 TERMINATE_GRACE_S = 5.0
@@ -298,6 +300,9 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
 
     child_env = {**os.environ, **(env or {}), worker.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1"}
     child_env.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc_per_node)))
+    # The workers' own tqdm bars (Megatron-Core's static engine draws one per generate call: a line per GRPO
+    # step) would stream into the notebook as text; rank 0's progress events drive the launcher's bar instead.
+    child_env.setdefault("TQDM_DISABLE", "1")
     benign = ALWAYS_BENIGN_WARNINGS + (() if device.is_cuda else CPU_BENIGN_WARNINGS)
     child_env["PYTHONWARNINGS"] = ",".join(filter(None, [child_env.get("PYTHONWARNINGS")] +
                                                   [f"ignore:{message}" for message in benign]))
