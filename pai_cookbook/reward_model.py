@@ -37,6 +37,7 @@ from pai_cookbook.core.config import (
     RunConfig,
 )
 from pai_cookbook.core.worker import Job
+from pai_cookbook.rlhf import prompt_text
 
 
 @dataclass(kw_only=True)
@@ -92,10 +93,6 @@ class RewardModelJob(Job):
         self.run.validate(world_size, device)
 
 
-def _prompt_text(record: dict[str, Any]) -> str:
-    return record["prompt"] if "prompt" in record else record["messages"][-1]["content"]
-
-
 def check_pairs(pairs: Sequence[dict[str, Any]], what: str = "pair") -> None:
     """Refuse pairs a reward model cannot learn from, naming the pair: no prompt, an empty or missing
     completion, chosen equal to rejected (its loss is log 2 whatever the model does), a margin that is not a
@@ -106,14 +103,14 @@ def check_pairs(pairs: Sequence[dict[str, Any]], what: str = "pair") -> None:
         where = f"{what} {number}"
         if not isinstance(pair, dict) or ("prompt" not in pair and "messages" not in pair):
             raise ConfigError(f"{where} has neither 'prompt' nor 'messages': {str(pair)[:80]!r}.")
-        if not _prompt_text(pair).strip():
+        if not prompt_text(pair).strip():
             raise ConfigError(f"{where} has an empty prompt; remove it or fill it in.")
         for side in ("chosen", "rejected"):
             if not isinstance(pair.get(side), str) or not pair[side].strip():
-                raise ConfigError(f"{where} ({_prompt_text(pair)[:50]!r}): {side!r} must be a non-empty string, "
+                raise ConfigError(f"{where} ({prompt_text(pair)[:50]!r}): {side!r} must be a non-empty string, "
                                   f"found {pair.get(side)!r}.")
         if pair["chosen"].strip() == pair["rejected"].strip():
-            raise ConfigError(f"{where} ({_prompt_text(pair)[:50]!r}): chosen and rejected are the same text "
+            raise ConfigError(f"{where} ({prompt_text(pair)[:50]!r}): chosen and rejected are the same text "
                               f"({pair['chosen'][:50]!r}); such a pair teaches nothing (its loss is log 2 whatever "
                               f"the model scores). Remove it.")
         margin = pair.get("margin", 0.0)

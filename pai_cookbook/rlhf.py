@@ -147,7 +147,7 @@ def resolve_reward(spec: str) -> Reward:
 
 def score(reward: Reward, completion: str, record: dict[str, Any]) -> float:
     """One reward, checked: a finite number, or an RLError naming the prompt and the completion."""
-    where = f"prompt {record.get('line', '?')} ({_prompt_text(record)[:60]!r}), completion {completion[:60]!r}"
+    where = f"prompt {record.get('line', '?')} ({prompt_text(record)[:60]!r}), completion {completion[:60]!r}"
     try:
         value = reward(completion, record)
     except Exception as err:  # noqa: BLE001 -- a user's function; its error is reported with the prompt it failed on
@@ -158,7 +158,8 @@ def score(reward: Reward, completion: str, record: dict[str, Any]) -> float:
     return float(value)
 
 
-def _prompt_text(record: dict[str, Any]) -> str:
+def prompt_text(record: dict[str, Any]) -> str:
+    """A prompt record's text: its "prompt", or its last message (what errors quote)."""
     return record["prompt"] if "prompt" in record else record["messages"][-1]["content"]
 
 
@@ -171,7 +172,7 @@ def _records(prompts: Sequence[str | dict[str, Any]]) -> list[dict[str, Any]]:
         record.setdefault("line", number)
         if "prompt" not in record and "messages" not in record:
             raise ConfigError(f"prompt {number} has neither 'prompt' nor 'messages': {str(prompt)[:80]!r}.")
-        if not _prompt_text(record).strip():
+        if not prompt_text(record).strip():
             raise ConfigError(f"prompt {number} is empty; the policy would complete nothing. Remove it or fill it in.")
         records.append(record)
     return records

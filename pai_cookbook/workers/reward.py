@@ -22,20 +22,6 @@ from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.reward_model import RewardModelJob
 from pai_cookbook.workers import train as trainer
 
-_SEED_STRIDE = 1_000_003
-
-
-def step_pairs(count: int, step: int, per_step: int, seed: int) -> list[int]:
-    """Indices of step `step`'s pairs: consecutive passes over the set, each in an order seeded by (seed, pass)."""
-    chosen, orders = [], {}
-    for position in range(step * per_step, (step + 1) * per_step):
-        epoch, index = divmod(position, count)
-        if epoch not in orders:
-            orders[epoch] = torch.randperm(count, generator=torch.Generator().manual_seed(seed * _SEED_STRIDE + epoch))
-        chosen.append(int(orders[epoch][index]))
-    return chosen
-
-
 Pair = tuple[list[int], list[int], float]
 """(chosen ids, rejected ids, margin)"""
 
@@ -132,7 +118,7 @@ def train(job: RewardModelJob, device) -> dict[str, Any]:
     history, valid, scores, saved = [], [], [], None
     interval, pairs = job.rm.eval_interval, pairs_of(job, "train")
     for step in range(first_step, config.train_iters):
-        indices = step_pairs(len(pairs), step, job.rm.global_batch_size, config.seed)
+        indices = trainer.seeded_passes(len(pairs), step, job.rm.global_batch_size, config.seed)
         batches = micro_batches(job, [pairs[i] for i in indices])
         for chunk in model:
             chunk.zero_grad_buffer()

@@ -41,13 +41,7 @@ _SEED_STRIDE = 1_000_003
 
 def step_prompts(job: GRPOJob, step: int) -> list[int]:
     """The prompt indices of step `step`: passes over the prompt set, each pass in an order seeded by (seed, pass)."""
-    count, per_step = len(job.prompt_ids), job.grpo.prompts_per_step
-    chosen = []
-    for position in range(step * per_step, (step + 1) * per_step):
-        epoch, index = divmod(position, count)
-        generator = torch.Generator().manual_seed(job.grpo.seed * _SEED_STRIDE + epoch)
-        chosen.append(torch.randperm(count, generator=generator)[index].item())
-    return chosen
+    return trainer.seeded_passes(len(job.prompt_ids), step, job.grpo.prompts_per_step, job.grpo.seed)
 
 
 def sample(engine, job: GRPOJob, step: int, prompts: list[int], vocab_size: int) -> list[dict[str, Any]]:

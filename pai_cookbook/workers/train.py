@@ -279,6 +279,21 @@ class StepLog:
             self.tensorboard.close()
 
 
+def seeded_passes(count: int, step: int, per_step: int, seed: int) -> list[int]:
+    """Indices of step `step`'s `per_step` items out of `count`: consecutive passes over the set, each in an
+    order seeded by (seed, pass), so a step draws the same items at every layout and on a resumed run."""
+    chosen, orders = [], {}
+    for position in range(step * per_step, (step + 1) * per_step):
+        epoch, index = divmod(position, count)
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(count, generator=torch.Generator().manual_seed(seed * _PASS_SEED_STRIDE + epoch))
+        chosen.append(int(orders[epoch][index]))
+    return chosen
+
+
+_PASS_SEED_STRIDE = 1_000_003  # a prime above any pass count: distinct (seed, pass) -> distinct orders
+
+
 def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | None) -> Path | None:
     """Save a training checkpoint after step `done` when it is the last or a multiple of save_interval
     (collective); returns its folder, or None when none was due."""
