@@ -5,6 +5,8 @@
     loss, clipped = rl.policy_loss(logprobs, old_logprobs, advantages, mask, clip=0.2)
     loss = rl.value_loss(values, old_values, returns, mask, clip=0.2)
     kl = rl.kl(logprobs, ref_logprobs, "k3")
+    advantages = rl.whiten(advantages, mask)                                          # PPO, per batch
+    fit = rl.explained_variance(values, returns, mask)                                # the critic's
 
 Tensors are [batch, tokens] over a completion's tokens; `mask` is 1 on the tokens the policy generated and
 0 on prompt and padding tokens, which no loss, advantage or KL may see. Every mean is over the masked
@@ -100,8 +102,38 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                clip: float = 0.2) -> torch.Tensor:
     """PPO's clipped value loss: 0.5 max((V - R)^2, (V_clipped - R)^2), V_clipped = V_old + clip(V - V_old,
     -clip, clip), averaged over the masked tokens."""
+    return masked_mean(clipped_value_error(values, old_values, returns, clip)[0], mask)
+
+
+def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                        clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """`value_loss` per token, before any mean: (0.5 max((V - R)^2, (V_clipped - R)^2), where the clipped
+    error was the larger one: the value moved more than `clip` from the rollout's and away from the return)."""
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
-    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+    unclipped_error, clipped_error = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped_error, clipped_error), clipped_error > unclipped_error
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 when the critic predicts every return, 0 when it
+    predicts no better than their mean, negative when worse (the PPO diagnostic of baselines and TRL)."""
+    residual = returns - values
+    variance = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    return 1 - masked_mean((residual - masked_mean(residual, mask)) ** 2, mask) / variance.clamp(min=1e-12)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, moments: tuple[float, float] | None = None,
+           eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked tokens (variance with Bessel's correction, as TRL's `masked_whiten`); 0
+    outside the mask. PPO whitens its advantages per batch so the policy's step size does not follow the
+    reward's scale. `moments`: (mean, variance) of the whole batch when `values` is one rank's share of it."""
+    mask = mask.to(values.dtype)
+    if moments is None:
+        count = mask.sum()
+        mean = masked_mean(values, mask)
+        moments = (mean, ((values - mean) ** 2 * mask).sum() / (count - 1).clamp(min=1))
+    mean, variance = moments
+    return (values - mean) * (variance + eps) ** -0.5 * mask
 
 
 def kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

@@ -8,11 +8,12 @@ so only content tells them apart); the notebook's preference task (sorted agains
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from pai_cookbook import convert, generate, reward_model, rlhf
+from pai_cookbook import convert, generate, reward_model, rl, rlhf
 from pai_cookbook.core import checkpoint, tokenizer
 from pai_cookbook.core.config import ConfigError, ParallelConfig
 
@@ -80,16 +81,22 @@ def test_two_process_layouts_train_the_reward_model_one_process_does(trained, ll
         assert len(two_scores) == len(VALID) and max(abs(a - b) for a, b in zip(one_scores, two_scores)) < 1e-4
 
 
-@pytest.mark.multiproc
-def test_exported_reward_model_scores_as_megatron_core(trained, tmp_path):
-    """transformers' ...ForSequenceClassification of the export, on right-padded batches, reads the same score
-    (measured: 3.6e-7)."""
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
     from transformers import AutoModelForSequenceClassification
 
     result, _ = trained
-    out = tmp_path / "hf"
+    out = tmp_path_factory.mktemp("reward_model_hf") / "hf"
     convert.megatron_to_hf(result["checkpoint"], out)
-    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    return AutoModelForSequenceClassification.from_pretrained(out).eval(), out
+
+
+@pytest.mark.multiproc
+def test_exported_reward_model_scores_as_megatron_core(trained, exported):
+    """transformers' ...ForSequenceClassification of the export, on right-padded batches, reads the same score
+    (measured: 3.6e-7)."""
+    result, _ = trained
+    model, out = exported
     assert model.config.architectures == ["LlamaForSequenceClassification"] and model.config.num_labels == 1
     hf = tokenizer.load(out)
     eos = tokenizer.eos_ids(out, hf)[0]
@@ -102,6 +109,37 @@ def test_exported_reward_model_scores_as_megatron_core(trained, tmp_path):
     megatron = torch.tensor([s for pair in zip(result["valid_scores"]["chosen"], result["valid_scores"]["rejected"])
                              for s in pair])
     assert (scores - megatron).abs().max() < 1e-5, (scores[:4], megatron[:4])
+
+
+@pytest.mark.multiproc
+def test_ppo_against_the_reward_model(trained, exported, llama, tmp_path):
+    """PPO with the reward model as its reward and its critic's start: every completion's reward is the reward
+    model's score at its last token (the exported model's, measured within 1e-6), the held-out evaluation
+    scores what it sampled, and the run saves the policy with its KL coefficient and the critic beside it."""
+    result, _ = trained
+    model, out = exported
+    config = rlhf.PPOConfig(steps=2, prompts_per_step=4, group_size=2, max_new_tokens=8, lr=1e-4, micro_batch_size=4,
+                            kl_target=1.0, kl_horizon=8, seed=2)
+    prompts = [{"prompt": p["prompt"]} for p in VALID[:8]]
+    run = rlhf.ppo(llama, prompts, result["checkpoint"], config, eval_prompts=prompts[:2], save_dir=tmp_path / "ppo",
+                   run_dir=tmp_path / "run", show_progress=False, echo=False)
+    hf = tokenizer.load(out)
+    rollouts = rlhf.read_rollouts(tmp_path / "run")
+    rows = [tokenizer.encode(hf, prompts[r["prompt"]], "auto") + r["tokens"] for r in rollouts]
+    with torch.no_grad():
+        scores = [float(model(input_ids=torch.tensor([ids])).logits[0, 0]) for ids in rows]
+    assert max(abs(a - r["reward"]) for a, r in zip(scores, rollouts)) < 1e-4
+    assert [s["reward"] for s in run["steps"]] == pytest.approx(
+        [sum(r["reward"] for r in rollouts if r["step"] == step) / config.rows for step in range(2)])
+    final = run["evals"][-1]
+    assert final["step"] == 2 and final["reward"] == pytest.approx(
+        sum(c["reward"] for c in final["completions"]) / len(final["completions"]))
+    saved = Path(run["checkpoint"])
+    assert checkpoint.head(saved) == "lm" and checkpoint.head(tmp_path / "ppo" / rlhf.CRITIC / saved.name) == "reward"
+    controller = rl.AdaptiveKL(coef=config.kl_coef, target=config.kl_target, horizon=config.kl_horizon)
+    for step in run["steps"]:
+        controller.update(step["kl_sequence"], config.rows)
+    assert checkpoint.read_state(saved)["kl_coef"] == pytest.approx(controller.coef, rel=1e-12)
 
 
 @pytest.mark.multiproc

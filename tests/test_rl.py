@@ -75,3 +75,30 @@ def test_masks_keep_prompt_and_padding_out_of_every_mean():
     assert mask.tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 0, 0]]
     values = torch.tensor([[1e6, 1e6, 1.0, 3.0, 1e6], [1e6, 2.0, 2.0, 1e6, 1e6]])
     assert float(rl.masked_mean(values, mask)) == pytest.approx(2.0)
+
+
+def test_clipped_value_error_per_token_and_where_the_clip_counts():
+    # the two tokens of test_clipped_value_loss: the first moved 0.5 from 1.0, past the clip 0.2; its clipped
+    # value 1.2 is farther from the return 2.0 than 1.5 is, so the clipped error 0.5 x 0.64 counts; the second
+    # moved 0.1, inside the clip: both errors are 0.5 x 1.21 and the clip does not count
+    error, clipped = rl.clipped_value_error(torch.tensor([[1.5, 1.1]]), torch.tensor([[1.0, 1.0]]),
+                                            torch.tensor([[2.0, 0.0]]))
+    assert error.tolist()[0] == pytest.approx([0.32, 0.605]) and clipped.tolist() == [[True, False]]
+
+
+def test_explained_variance_and_whitening():
+    mask = rl.completion_mask([1, 0], [3, 2], 4)  # tokens (0, 1), (0, 2), (1, 0), (1, 1); 1e6 is outside
+    returns = torch.tensor([[1e6, 1.0, 3.0, 1e6], [2.0, 4.0, 1e6, 1e6]])
+    # Var(R) over [1, 3, 2, 4] = 1.25; a critic off by [1, -1, 0, 0] (residual mean 0): Var 0.5 -> 1 - 0.5 / 1.25
+    values = returns - torch.tensor([[0.0, 1.0, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    assert float(rl.explained_variance(values, returns, mask)) == pytest.approx(0.6)
+    assert float(rl.explained_variance(returns, returns, mask)) == pytest.approx(1.0)  # predicts every return
+    # a critic that predicts the mean return everywhere explains nothing
+    assert float(rl.explained_variance(torch.full_like(returns, 2.5), returns, mask)) == pytest.approx(0.0)
+    # whitening: mean 2.5, unbiased variance 5 / 3 over the four masked tokens; 0 outside the mask
+    white = rl.whiten(returns, mask)
+    scale = math.sqrt(5 / 3)
+    assert white[mask > 0].tolist() == pytest.approx([-1.5 / scale, 0.5 / scale, -0.5 / scale, 1.5 / scale], rel=1e-5)
+    assert white[mask == 0].tolist() == [0.0] * 4
+    # a rank's share whitened with the whole batch's moments (what the PPO worker passes) is that slice
+    assert torch.equal(rl.whiten(returns[:1], mask[:1], (2.5, 5 / 3)), white[:1])

@@ -129,7 +129,7 @@ def _state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
-def _save_collective(state: dict[str, Any], out: str | Path, model: ModelConfig, dtype: torch.dtype,
+def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, dtype: torch.dtype,
                      assets: Path | None, **provenance: Any) -> Path:
     """The write protocol of every checkpoint (collective): rank 0 makes `<out>.partial`, all ranks save
     their shards into it, rank 0 adds the config and assets and renames it to `out`."""
@@ -141,7 +141,7 @@ def _save_collective(state: dict[str, Any], out: str | Path, model: ModelConfig,
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(state, str(partial))
+    dist_checkpointing.save(tree, str(partial))
     torch.distributed.barrier()
     if rank0:
         write_config(partial, model, dtype, **provenance)
@@ -249,16 +249,23 @@ def _training_state(chunks, optimizer, scheduler, step: int, is_loading: bool) -
 
 
 def save_training(chunks, optimizer, scheduler, step: int, save_dir: str | Path, model: ModelConfig,
-                  dtype: torch.dtype, layout: dict[str, int], *, keep_last: int, assets: Path | None = None) -> Path:
-    """Save everything a run needs to continue exactly (collective), then keep only the last `keep_last`."""
+                  dtype: torch.dtype, layout: dict[str, int], *, keep_last: int, assets: Path | None = None,
+                  **state: Any) -> Path:
+    """Save everything a run needs to continue exactly (collective), then keep only the last `keep_last`.
+    `state`: small JSON values a worker keeps beside the weights (config.json; `read_state` returns them)."""
     out = _save_collective(_training_state(chunks, optimizer, scheduler, step, is_loading=False),
                            iteration_dir(save_dir, step), model, dtype, assets, step=step, saved_at=layout,
-                           **_marks(chunks))
+                           **_marks(chunks), **({"state": state} if state else {}))
     if torch.distributed.get_rank() == 0:
         for old in finished_iterations(save_dir)[:-keep_last]:
             shutil.rmtree(old)
     torch.distributed.barrier()
     return out
+
+
+def read_state(ckpt: str | Path) -> dict[str, Any]:
+    """The `state` save_training kept beside a checkpoint's weights ({} when none)."""
+    return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("state", {})
 
 
 def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:

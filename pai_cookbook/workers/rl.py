@@ -1,17 +1,22 @@
-"""The RL worker: GRPO on Megatron-Core, rollouts from Megatron-Core's engine on the policy's own modules.
+"""The RL worker: GRPO and PPO on Megatron-Core, rollouts from Megatron-Core's engine on the policy's own modules.
 
-Its job is a `pai_cookbook.rlhf.GRPOJob`. One step (`grpo_step`):
+Its job is a `pai_cookbook.rlhf.RLJob` (PPO when its config is a PPOConfig). One step (`rl_step`):
 1. `sample`: the static inference engine of notebook 07 (`workers.generate.build_engine`) over the very
    GPTModel the optimizer updates (DDP's `.module`), temperature 1, no top-k/top-p, seeded by (seed, step),
    returning each sampled token's log-probability. Every rank samples every completion (same seeds, same
    tokens); each data-parallel rank then trains on its share.
-2. Rewards on global rank 0 (the user's function runs once per completion), broadcast; GRPO advantages.
+2. Rewards: a function on global rank 0 (once per completion), broadcast; or a reward model's forward
+   (its score at each completion's last token), each data-parallel rank scoring its share, gathered.
 3. Forward passes without gradients through Megatron-Core's pipeline schedule: the policy's log-probabilities
-   (the "old" ones of the ratio) and the reference's. The engine's log-probabilities are compared with the
-   policy's here: they are the same weights, so they must agree (KV-cached one-token steps against one full
-   forward: float rounding only), and after an update a stale copy would not.
-4. `epochs` optimizer steps on the clipped surrogate + kl_coef x KL, per token over the whole batch (the
-   training worker's `_per_token_scale`).
+   (the "old" ones of the ratio), the reference's and, for PPO, the critic's values. The engine's
+   log-probabilities are compared with the policy's here: they are the same weights, so they must agree
+   (KV-cached one-token steps against one full forward: float rounding only), and after an update a stale
+   copy would not.
+4. Advantages. GRPO: each completion's reward against its group's. PPO: per-token rewards (-kl_coef x KL to
+   the reference, plus the score on the last token), GAE over the critic's values, whitened over the batch.
+5. `epochs` optimizer steps on the clipped surrogate (+ kl_coef x KL for GRPO, whose KL is a loss), per token
+   over the whole batch (the training worker's `_per_token_scale`); PPO's critic takes a step on the clipped
+   value loss after each. PPO's adaptive controller then moves kl_coef.
 Per-token log-probabilities are Megatron-Core's own: the GPT model's per-token cross entropy with the labels
 (vocabulary-parallel at TP > 1), negated.
 """
@@ -32,33 +37,35 @@ from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.core.model import build_model, torch_dtype
 from pai_cookbook.core.tokenizer import MegatronView
 from pai_cookbook.generate import GenerationConfig
-from pai_cookbook.rlhf import GRPOJob
+from pai_cookbook.rlhf import RLJob
 from pai_cookbook.workers import generate as engine_worker
 from pai_cookbook.workers import train as trainer
 
 _SEED_STRIDE = 1_000_003
 
 
-def step_prompts(job: GRPOJob, step: int) -> list[int]:
+def step_prompts(job: RLJob, step: int) -> list[int]:
     """The prompt indices of step `step`: passes over the prompt set, each pass in an order seeded by (seed, pass)."""
-    return trainer.seeded_passes(len(job.prompt_ids), step, job.grpo.prompts_per_step, job.grpo.seed)
+    return trainer.seeded_passes(len(job.prompt_ids), step, job.config.prompts_per_step, job.config.seed)
 
 
-def sample(engine, job: GRPOJob, step: int, prompts: list[int], vocab_size: int) -> list[dict[str, Any]]:
-    """`group_size` completions of each prompt from the engine: tokens (the end token included when one
-    ended it) and the engine's log-probability of each sampled token before it."""
+def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], group_size: int, seed: int,
+           step: int) -> list[dict[str, Any]]:
+    """`group_size` completions of each of `prompts` (indices into `prompt_ids`) from the engine, its sampling
+    seeded by `seed`: tokens (the end token included when one ended it) and the engine's log-probability of
+    each sampled token before it."""
     from megatron.core.inference.inference_request import InferenceRequest
     from megatron.core.inference.sampling_params import SamplingParams
 
     controller = engine.controller
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=0.0, num_tokens_to_generate=job.grpo.max_new_tokens,
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=0.0, num_tokens_to_generate=job.config.max_new_tokens,
                             return_log_probs=True)
     params.add_attributes({"no_early_termination": True})  # ends are the cookbook controller's rule
-    rows = [(prompt, group) for group, prompt in enumerate(prompts) for _ in range(job.grpo.group_size)]
-    ids = [job.prompt_ids[prompt] for prompt, _ in rows]
-    controller.sampling_rng.manual_seed(job.grpo.seed * _SEED_STRIDE + step)
-    controller.configure(vocab_size=vocab_size, repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
-                         prompt_lengths=[len(i) for i in ids], max_new_tokens=job.grpo.max_new_tokens,
+    rows = [(prompt, group) for group, prompt in enumerate(prompts) for _ in range(group_size)]
+    ids = [prompt_ids[prompt] for prompt, _ in rows]
+    controller.sampling_rng.manual_seed(seed)
+    controller.configure(vocab_size=job.run.model.vocab_size, repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
+                         prompt_lengths=[len(i) for i in ids], max_new_tokens=job.config.max_new_tokens,
                          track_entropy=True)
     first = min(len(i) for i in ids)  # the first sampling step's position: a row's token j is sampled at
     # step len(prompt) - first + j (rows with longer prompts feed their own tokens until then)
@@ -83,48 +90,88 @@ def sample(engine, job: GRPOJob, step: int, prompts: list[int], vocab_size: int)
     return out
 
 
-def _rewards(job: GRPOJob, rollouts: list[dict[str, Any]], hf_tokenizer) -> list[float]:
-    """Each completion's reward, computed on global rank 0 and broadcast (the function runs once)."""
+def _function_scores(spec: str, rollouts: list[dict[str, Any]], records: list[dict[str, Any]],
+                     hf_tokenizer) -> list[float]:
+    """The function's score of each completion, computed on global rank 0 and broadcast (it runs once)."""
     values: list[Any] = [None]
     if worker.rank() == 0:
-        function = rlhf.resolve_reward(job.reward)
+        function = rlhf.resolve_reward(spec)
         values = [[rlhf.score(function, hf_tokenizer.decode(r["tokens"], skip_special_tokens=True),
-                              job.records[r["prompt"]]) for r in rollouts]]
+                              records[r["prompt"]], f"the reward function {spec}") for r in rollouts]]
     torch.distributed.broadcast_object_list(values, src=0)
     return values[0]
 
 
-def rows(job: GRPOJob, rollouts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+def rewards(job: RLJob, reward_model, rollouts: list[dict[str, Any]], prompt_ids: list[list[int]],
+            records: list[dict[str, Any]], hf_tokenizer) -> list[float]:
+    """Each completion's reward on every rank: the reward function's, or the reward model's score at the
+    completion's last token (a truncated completion is scored where it stops)."""
+    if reward_model is None:
+        return _function_scores(job.reward, rollouts, records, hf_tokenizer)
+    batches = micro_batches(job, rows(job, rollouts, prompt_ids))
+    scores = _forward_only(reward_model, job, batches, _read_score)
+    return _gather_rows(torch.cat(scores).tolist() if scores else None)
+
+
+def _read_score(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
+    return output[torch.arange(output.shape[0], device=output.device), batch["end"].to(output.device), 0].float()
+
+
+def _read_values(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
+    return output[..., 0].float()
+
+
+def _read_logprobs(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
+    return -output.float()
+
+
+def _gather_rows(mine: list[float] | None) -> list[float]:
+    """Every data-parallel rank's rows in order, on every rank, from the ranks that hold them (the last
+    pipeline stage's first tensor-parallel rank; the others pass None)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_rank() != 0:
+        mine = None
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (ps.get_data_parallel_rank(), mine))
+    by_rank = dict(entry for entry in gathered if entry[1] is not None)
+    return [value for rank in sorted(by_rank) for value in by_rank[rank]]
+
+
+def rows(job: RLJob, rollouts: list[dict[str, Any]], prompt_ids: list[list[int]]) -> dict[str, torch.Tensor]:
     """[rows, longest prompt + max_new_tokens] training rows: prompt + completion, labels shifted by one,
-    `loss_mask` on the positions that predict a completion token, the engine's log-probabilities there
-    (`engine_mask`: without an appended end token, whose log-probability the engine does not return)."""
+    `loss_mask` on the positions that predict a completion token, `end` the last token's position, the
+    engine's log-probabilities (`engine_mask`: without an appended end token, whose log-probability the
+    engine does not return)."""
     n, width = len(rollouts), job.run.data.seq_length
     tokens = torch.full((n, width), job.pad_id, dtype=torch.long)
     labels = torch.full((n, width), job.pad_id, dtype=torch.long)
     loss_mask = torch.zeros(n, width)
     engine = torch.zeros(n, width)
     engine_mask = torch.zeros(n, width)
+    end = torch.zeros(n, dtype=torch.long)
     for row, rollout in enumerate(rollouts):
-        prompt = job.prompt_ids[rollout["prompt"]]
+        prompt = prompt_ids[rollout["prompt"]]
         sequence = prompt + rollout["tokens"]
         tokens[row, :len(sequence)] = torch.tensor(sequence)
         labels[row, :len(sequence) - 1] = torch.tensor(sequence[1:])
         loss_mask[row, len(prompt) - 1:len(sequence) - 1] = 1.0
+        end[row] = len(sequence) - 1
         sampled = rollout.get("engine_logprobs") or []
         engine[row, len(prompt) - 1:len(prompt) - 1 + len(sampled)] = torch.tensor(sampled)
         engine_mask[row, len(prompt) - 1:len(prompt) - 1 + len(sampled)] = 1.0
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "engine_logprobs": engine,
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "end": end, "engine_logprobs": engine,
             "engine_mask": engine_mask}
 
 
-def micro_batches(job: GRPOJob, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's share of the batch, in micro-batches."""
+def micro_batches(job: RLJob, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's share of the batch's rows, in micro-batches."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    per_rank = job.grpo.rows // dp_size
+    per_rank = batch["tokens"].shape[0] // dp_size
     mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in batch.items()}
-    size = job.grpo.micro_batch_size
+    size = job.config.micro_batch_size
     out = []
     for start in range(0, per_rank, size):
         mb = {k: v[start:start + size] for k, v in mine.items()}
@@ -133,49 +180,70 @@ def micro_batches(job: GRPOJob, batch: dict[str, torch.Tensor]) -> list[dict[str
     return out
 
 
-def _logprob_forward(data_iterator, model):
+def _keep_forward(read, data_iterator, model):
     batch = next(data_iterator)
-    return trainer.model_forward(model, batch), _keep_logprobs
+    return trainer.model_forward(model, batch, labels=read is _read_logprobs), partial(_keep, read, batch)
 
 
-def _keep_logprobs(output: torch.Tensor):
-    return output.sum() * 0.0, {"logprobs": -output.detach().float()}
+def _keep(read, batch: dict[str, Any], output: torch.Tensor):
+    return output.sum() * 0.0, {"kept": read(batch, output).detach()}
 
 
-def logprobs(model: list[torch.nn.Module], job: GRPOJob, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """Per-token log-probabilities of each micro-batch's labels, without gradients (on the last pipeline
-    stage; an empty list on the others)."""
+def _forward_only(model: list[torch.nn.Module], job: RLJob, batches: list[dict[str, torch.Tensor]],
+                  read) -> list[torch.Tensor]:
+    """`read(batch, output)` of each micro-batch, without gradients (on the last pipeline stage; an empty list
+    on the others): log-probabilities of the labels, values, or scores."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    modes = [chunk.training for chunk in model]  # the frozen reference stays in eval mode
+    modes = [chunk.training for chunk in model]  # frozen models stay in eval mode
     for chunk in model:
         chunk.eval()
     with torch.no_grad():
         stored = get_forward_backward_func()(
-            forward_step_func=_logprob_forward, data_iterator=iter(batches), model=model[0],
+            forward_step_func=partial(_keep_forward, read), data_iterator=iter(batches), model=model[0],
             num_microbatches=len(batches), seq_length=job.run.data.seq_length,
-            micro_batch_size=job.grpo.micro_batch_size, decoder_seq_length=job.run.data.seq_length, forward_only=True)
+            micro_batch_size=job.config.micro_batch_size, decoder_seq_length=job.run.data.seq_length, forward_only=True)
     for chunk, training in zip(model, modes):
         chunk.train(training)
-    return [s["logprobs"].cpu() for s in stored]
+    return [s["kept"].cpu() for s in stored]
 
 
-def _grpo_forward(data_iterator, model):
+def logprobs(model: list[torch.nn.Module], job: RLJob, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Per-token log-probabilities of each micro-batch's labels, without gradients (last pipeline stage)."""
+    return _forward_only(model, job, batches, _read_logprobs)
+
+
+def _policy_forward(data_iterator, model):
     batch = next(data_iterator)
-    return trainer.model_forward(model, batch), partial(_grpo_loss, batch)
+    return trainer.model_forward(model, batch), partial(_policy_loss, batch)
 
 
-def _grpo_loss(batch: dict[str, Any], output: torch.Tensor):
+def _policy_loss(batch: dict[str, Any], output: torch.Tensor):
     """The clipped surrogate + kl_coef x KL of the micro-batch's completion tokens, summed and scaled to its
     share of the global per-token mean; the sums behind the logged figures."""
     logprobs = -output.float()
     mask = batch["loss_mask"].to(logprobs)
     surrogate, clipped = rl.clipped_surrogate(logprobs, batch["old_logprobs"].to(logprobs),
-                                              batch["advantages"].to(logprobs)[:, None], batch["clip"])
+                                              batch["advantages"].to(logprobs), batch["clip"])
     kl = rl.kl(logprobs, batch["ref_logprobs"].to(logprobs), batch["kl_estimator"])
-    total = ((surrogate + batch["kl_coef"] * kl) * mask).sum()
+    total = ((surrogate + batch["kl_loss_coef"] * kl) * mask).sum()
     report = torch.stack([total, (surrogate * mask).sum(), (kl * mask).sum(), (clipped * mask).sum(), mask.sum()])
-    return total * batch["loss_scale"], {"grpo": report.detach()}
+    return total * batch["loss_scale"], {"policy": report.detach()}
+
+
+def _value_forward(data_iterator, model):
+    batch = next(data_iterator)
+    return trainer.model_forward(model, batch, labels=False), partial(_value_loss, batch)
+
+
+def _value_loss(batch: dict[str, Any], output: torch.Tensor):
+    """PPO's clipped value loss of the micro-batch's completion tokens, summed and scaled like the policy's."""
+    values = output[..., 0].float()
+    mask = batch["loss_mask"].to(values)
+    error, clipped = rl.clipped_value_error(values, batch["old_values"].to(values), batch["returns"].to(values),
+                                            batch["value_clip"])
+    total = (error * mask).sum()
+    return total * batch["loss_scale"], {"value": torch.stack([total, (clipped * mask).sum(), mask.sum()]).detach()}
 
 
 def _max_over_world(value: float) -> float:
@@ -185,79 +253,155 @@ def _max_over_world(value: float) -> float:
     return float(tensor.item())
 
 
-def update(job: GRPOJob, model, optimizer, scheduler, batches: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """`epochs` optimizer steps on the batch; per step the loss, its parts and the gradient norm."""
+def _optimizer_step(job: RLJob, model, optimizer, scheduler, batches, forward) -> tuple[list[dict], float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    g = job.grpo
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    stored = get_forward_backward_func()(
+        forward_step_func=forward, data_iterator=iter(batches), model=model[0], num_microbatches=len(batches),
+        seq_length=job.run.data.seq_length, micro_batch_size=job.config.micro_batch_size,
+        decoder_seq_length=job.run.data.seq_length, forward_only=False)
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    return stored, float(grad_norm or 0.0)
+
+
+def update(job: RLJob, model, optimizer, scheduler, batches: list[dict[str, Any]], critic=None) -> list[dict[str, float]]:
+    """`epochs` optimizer steps on the batch (and, with a critic, a critic step after each); per step the
+    losses, their parts and the gradient norms."""
+    g = job.config
     scale = trainer._per_token_scale(batches)
-    batches = [b | {"loss_scale": scale, "clip": g.clip, "kl_coef": g.kl_coef, "kl_estimator": g.kl_estimator}
-               for b in batches]
+    batches = [b | {"loss_scale": scale, "clip": g.clip, "kl_estimator": g.kl_estimator,
+                    "kl_loss_coef": 0.0 if job.ppo is not None else g.kl_coef,  # PPO's KL is in the reward
+                    "value_clip": getattr(g, "value_clip", 0.0)} for b in batches]
     figures = []
     for _ in range(g.epochs):
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        stored = get_forward_backward_func()(
-            forward_step_func=_grpo_forward, data_iterator=iter(batches), model=model[0],
-            num_microbatches=len(batches), seq_length=job.run.data.seq_length, micro_batch_size=g.micro_batch_size,
-            decoder_seq_length=job.run.data.seq_length, forward_only=False)
-        _, grad_norm, _ = optimizer.step()
-        scheduler.step(increment=1)
-        total, surrogate, kl, clipped, count = trainer.global_sums(stored, "grpo", 5).tolist()
+        stored, grad_norm = _optimizer_step(job, model, optimizer, scheduler, batches, _policy_forward)
+        total, surrogate, kl, clipped, count = trainer.global_sums(stored, "policy", 5).tolist()
         count = max(count, 1.0)
-        figures.append({"loss": total / count, "policy_loss": surrogate / count, "kl": kl / count,
-                        "clip_fraction": clipped / count, "grad_norm": float(grad_norm or 0.0)})
+        figure = {"loss": total / count, "policy_loss": surrogate / count, "kl": kl / count,
+                  "clip_fraction": clipped / count, "grad_norm": grad_norm}
+        if critic is not None:
+            stored, grad_norm = _optimizer_step(job, *critic, batches, _value_forward)
+            total, clipped, count = trainer.global_sums(stored, "value", 3).tolist()
+            count = max(count, 1.0)
+            figure |= {"value_loss": total / count, "value_clip_fraction": clipped / count,
+                       "critic_grad_norm": grad_norm}
+        figures.append(figure)
     return figures
 
 
-def grpo_step(job: GRPOJob, step: int, model, reference, optimizer, scheduler, engine, hf_tokenizer,
-              replay: dict[int, list[dict[str, Any]]] | None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """One GRPO step; returns its figures and its rollouts (with rewards)."""
+def ppo_advantages(job: RLJob, batches: list[dict[str, Any]], kl_coef: float) -> dict[str, float]:
+    """PPO's per-token rewards, GAE advantages and returns of each micro-batch (in place, on the last pipeline
+    stage: `old_logprobs`, `ref_logprobs`, `old_values` and `score` are there); the advantages whitened over
+    the global batch. Returns the global figures: the KL per completion and the critic's explained variance."""
+    from megatron.core import parallel_state as ps
+
+    g = job.config
+    sums = []
+    for mb in batches:
+        mask = mb["loss_mask"]
+        kl = rl.kl(mb["old_logprobs"], mb["ref_logprobs"], g.kl_estimator) * mask
+        token_rewards = -kl_coef * kl
+        token_rewards[torch.arange(mask.shape[0]), mb["end"] - 1] += mb["score"]  # the last completion token
+        advantages, returns = rl.gae(token_rewards, mb["old_values"], mask, g.gamma, g.lam)
+        residual = (returns - mb["old_values"]) * mask
+        mb["advantages"], mb["returns"] = advantages, returns
+        sums.append({"ppo": torch.stack([advantages.sum(), (advantages ** 2).sum(), mask.sum(), kl.sum(),
+                                         torch.tensor(float(mask.shape[0])), returns.sum(), (returns ** 2).sum(),
+                                         residual.sum(), (residual ** 2).sum()]).double()})
+    last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    a1, a2, count, kl, completions, r1, r2, e1, e2 = trainer.global_sums(sums if last_stage else [], "ppo", 9).tolist()
+    count = max(count, 1.0)
+    if g.whiten_advantages:
+        mean, variance = a1 / count, (a2 - a1 * a1 / count) / max(count - 1, 1.0)
+        for mb in batches:
+            mb["advantages"] = rl.whiten(mb["advantages"], mb["loss_mask"], (mean, variance))
+    returns_variance = r2 / count - (r1 / count) ** 2
+    residual_variance = e2 / count - (e1 / count) ** 2
+    return {"kl_sequence": kl / max(completions, 1.0),
+            "explained_variance": 1 - residual_variance / returns_variance if returns_variance > 0 else None}
+
+
+def rl_step(job: RLJob, step: int, model, reference, optimizer, scheduler, engine, hf_tokenizer,
+            replay: dict[int, list[dict[str, Any]]] | None, reward_model=None, critic=None,
+            kl_coef: float = 0.0) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """One GRPO or PPO step; returns its figures and its rollouts (with rewards). `critic`: PPO's (model,
+    optimizer, scheduler); `kl_coef`: PPO's current coefficient of the KL in the reward."""
     start = time.perf_counter()
+    g = job.config
     if replay is not None:
         if step not in replay:
-            raise RuntimeError(f"the replayed rollouts file {job.grpo.rollouts} has no step {step}")
+            raise RuntimeError(f"the replayed rollouts file {g.rollouts} has no step {step}")
         rollouts = replay[step]
-        rewards = [r["reward"] for r in rollouts]
+        scores = [r["reward"] for r in rollouts]
     else:
         prompts = step_prompts(job, step)
-        rollouts = sample(engine, job, step, prompts, job.run.model.vocab_size)
-        rewards = _rewards(job, rollouts, hf_tokenizer)
+        rollouts = sample(engine, job, job.prompt_ids, prompts, g.group_size, g.seed * _SEED_STRIDE + step, step)
+        scores = rewards(job, reward_model, rollouts, job.prompt_ids, job.records, hf_tokenizer)
+    true = _function_scores(job.true_reward, rollouts, job.records, hf_tokenizer) if job.true_reward else None
     sampled = time.perf_counter()
-    used = torch.tensor(rewards, dtype=torch.float64)
-    if job.grpo.shuffle_rewards:  # the control: same rewards, assigned at random
-        generator = torch.Generator().manual_seed(job.grpo.seed * _SEED_STRIDE + step + 1)
+    used = torch.tensor(scores, dtype=torch.float64)
+    if g.shuffle_rewards:  # the control: same rewards, assigned at random
+        generator = torch.Generator().manual_seed(g.seed * _SEED_STRIDE + step + 1)
         used = used[torch.randperm(len(used), generator=generator)]
-    advantages = rl.group_advantages(used, [r["group"] for r in rollouts]).float()
-    batch = rows(job, rollouts) | {"advantages": advantages}
+    batch = rows(job, rollouts, job.prompt_ids) | {"score": used.float()}
+    if job.ppo is None:
+        batch["advantages"] = rl.group_advantages(used, [r["group"] for r in rollouts]).float()[:, None]
     batches = micro_batches(job, batch)
     old = logprobs(model, job, batches)
     ref = logprobs(reference, job, batches)
+    values = _forward_only(critic[0], job, batches, _read_values) if critic is not None else []
     difference = 0.0
     for mb, lp in zip(batches, old):  # last pipeline stage only: the others hold no log-probabilities
         mask = mb["engine_mask"] > 0
         if mask.any():
             difference = max(difference, float((lp[mask] - mb["engine_logprobs"][mask]).abs().max()))
     for i, mb in enumerate(batches):
-        mb["old_logprobs"] = old[i] if old else torch.zeros_like(mb["loss_mask"])
-        mb["ref_logprobs"] = ref[i] if ref else torch.zeros_like(mb["loss_mask"])
-    updates = update(job, model, optimizer, scheduler, batches)
+        zeros = torch.zeros_like(mb["loss_mask"])
+        mb["old_logprobs"] = old[i] if old else zeros
+        mb["ref_logprobs"] = ref[i] if ref else zeros
+        if critic is not None:
+            mb["old_values"] = values[i] if values else zeros
+            mb.setdefault("advantages", zeros)
+            mb.setdefault("returns", zeros)
+    extra = ppo_advantages(job, batches, kl_coef) | {"kl_coef": kl_coef} if critic is not None else {}
+    updates = update(job, model, optimizer, scheduler, batches, critic)
     lengths = [len(r["tokens"]) for r in rollouts]
-    figures = updates[-1] | {
-        "reward": float(sum(rewards) / len(rewards)),
-        "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std()),
+    figures = updates[-1] | extra | {
+        "reward": float(sum(scores) / len(scores)),
+        "reward_std": float(torch.tensor(scores, dtype=torch.float64).std()) if len(scores) > 1 else 0.0,
+        "true_reward": sum(true) / len(true) if true else None,
         "kl_before_update": updates[0]["kl"],
         "logprob_diff": _max_over_world(difference) if replay is None else None,  # replayed: no engine ran
         "completion_length": sum(lengths) / len(lengths),
         # the policy's next-token entropy at each sampled token (nats), from the engine's logits
         "entropy": _mean([e for r in rollouts for e in r.get("entropy", [])]),
         "ended": sum(r["finish"] == engine_worker.FINISH_EOS for r in rollouts) / len(rollouts),
-        "zero_advantage_groups": _flat_groups(rewards, [r["group"] for r in rollouts]),
         "rollout_seconds": sampled - start, "seconds": time.perf_counter() - start}
-    for rollout, reward in zip(rollouts, rewards):
+    if job.ppo is None:
+        figures["zero_advantage_groups"] = _flat_groups(scores, [r["group"] for r in rollouts])
+    for rollout, reward in zip(rollouts, scores):
         rollout["reward"] = reward
     return figures, rollouts
+
+
+def evaluate(job: RLJob, done: int, engine, reward_model, hf_tokenizer) -> dict[str, Any]:
+    """The policy's held-out figures after `done` steps: `eval_samples` completions of every held-out prompt,
+    sampled as in training with one seed for every evaluation, scored by the reward and the true reward."""
+    g = job.config
+    prompts = list(range(len(job.eval_ids)))
+    rollouts = sample(engine, job, job.eval_ids, prompts, g.eval_samples, (g.seed + 1) * _SEED_STRIDE - 1, done)
+    scores = rewards(job, reward_model, rollouts, job.eval_ids, job.eval_records, hf_tokenizer)
+    true = _function_scores(job.true_reward, rollouts, job.eval_records, hf_tokenizer) if job.true_reward else None
+    texts = [hf_tokenizer.decode(r["tokens"], skip_special_tokens=True) for r in rollouts]
+    return {"step": done, "reward": sum(scores) / len(scores), "true_reward": sum(true) / len(true) if true else None,
+            "completion_length": sum(len(r["tokens"]) for r in rollouts) / len(rollouts),
+            "completions": [{"prompt": r["prompt"], "text": text, "reward": score}
+                            | ({"true_reward": true[i]} if true else {})
+                            for i, (r, text, score) in enumerate(zip(rollouts, texts, scores))]}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -283,52 +427,93 @@ def _replay(path: str | None) -> dict[int, list[dict[str, Any]]] | None:
     return {step: [rows_[i] for i in sorted(rows_)] for step, rows_ in by_step.items()}
 
 
-def train(job: GRPOJob, device) -> dict[str, Any]:
-    config = job.run
-    model, optimizer, scheduler = trainer.build(config, device)
-    first_step, started_from = trainer._restore(config, model, optimizer, scheduler)
-    reference = build_model(config.model, config.parallel, config.precision, device, config.seed)
-    checkpoint.load(reference, job.reference)
-    for chunk in reference:
+def _frozen(run, model_config, ckpt: str, device, head: str = "lm") -> list[torch.nn.Module]:
+    chunks = build_model(model_config, run.parallel, run.precision, device, run.seed, head=head)
+    checkpoint.load(chunks, ckpt)
+    for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)
+    return chunks
+
+
+def _critic(job: RLJob, device, first_step: int):
+    """PPO's critic (model, optimizer, scheduler), restored to the policy's step."""
+    model, optimizer, scheduler = trainer.build(job.critic, device, head="reward")
+    step, source = trainer._restore(job.critic, model, optimizer, scheduler)
+    if step != first_step:
+        raise RuntimeError(f"the policy resumes at step {first_step} but its critic ({source}) at step {step}; "
+                           f"a run stopped between the two saves. Remove {job.critic.checkpoint.save_dir}'s and the "
+                           f"policy's checkpoints after step {min(step, first_step)}, or start over (overwrite=True).")
+    return model, optimizer, scheduler
+
+
+def train(job: RLJob, device) -> dict[str, Any]:
+    config, g = job.run, job.config
+    model, optimizer, scheduler = trainer.build(config, device)
+    first_step, started_from = trainer._restore(config, model, optimizer, scheduler)
+    reference = _frozen(config, config.model, job.reference, device)
+    reward_model = _frozen(config, job.reward_model_config, job.reward_model, device, head="reward") \
+        if job.reward_model else None
+    critic = _critic(job, device, first_step) if job.ppo is not None else None
+    controller = rl.AdaptiveKL(coef=g.kl_coef, target=g.kl_target or 1.0, horizon=g.kl_horizon) if job.ppo is not None else None
+    if controller is not None and first_step and started_from:
+        controller.coef = checkpoint.read_state(started_from).get("kl_coef", g.kl_coef)
     hf_tokenizer = checkpoint.load_tokenizer(config.checkpoint.load_dir)
     dtype = torch_dtype(config.precision)
     engine = engine_worker.build_engine(
         model[0].module, config.model, MegatronView(hf_tokenizer, job.eos_ids),
-        GenerationConfig(batch_size=job.grpo.rows, max_new_tokens=job.grpo.max_new_tokens),
+        GenerationConfig(batch_size=max(g.rows, len(job.eval_ids) * g.eval_samples), max_new_tokens=g.max_new_tokens),
         config.data.seq_length, config.parallel, dtype)
-    replay = _replay(job.grpo.rollouts)
+    replay = _replay(g.rollouts)
     log = trainer.StepLog(config, device, fresh=first_step == 0)
     run_dir = os.environ.get(worker.RUN_DIR_ENV)
-    dump = (Path(run_dir) / "rollouts.jsonl").open("w" if first_step == 0 else "a") if run_dir and worker.rank() == 0 \
-        else None
+    files = {name: (Path(run_dir) / f"{name}.jsonl").open("w" if first_step == 0 else "a")
+             for name in ("rollouts", "evals")} if run_dir and worker.rank() == 0 else {}
+    evals = []
+
+    def held_out(done: int) -> None:
+        if job.eval_ids:
+            evals.append(evaluate(job, done, engine, reward_model, hf_tokenizer))
+            if files:
+                files["evals"].write(json.dumps(evals[-1]) + "\n")
+                files["evals"].flush()
+
+    if first_step == 0:
+        held_out(0)
     ckpt, history, saved = config.checkpoint, [], None
-    for step in range(first_step, job.grpo.steps):
-        figures, rollouts = grpo_step(job, step, model, reference, optimizer, scheduler, engine, hf_tokenizer, replay)
+    for step in range(first_step, g.steps):
+        coef = controller.coef if controller is not None else 0.0
+        figures, rollouts = rl_step(job, step, model, reference, optimizer, scheduler, engine, hf_tokenizer, replay,
+                                    reward_model, critic, coef)
         done = step + 1
+        if controller is not None and g.kl_target is not None:
+            controller.update(figures["kl_sequence"], g.rows)
+        state = {"kl_coef": controller.coef} if controller is not None else {}
         saved = trainer.save_if_due(config, model, optimizer, scheduler, done,
-                                    Path(ckpt.load_dir) / checkpoint.HF_ASSETS) or saved
+                                    Path(ckpt.load_dir) / checkpoint.HF_ASSETS, **state) or saved
+        if critic is not None:
+            trainer.save_if_due(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
+        if done == g.steps or (g.eval_interval and done % g.eval_interval == 0):
+            held_out(done)
         history.append(figures)
         log.write(done, figures)
-        if dump is not None:
+        if files:
             for rollout in rollouts:
                 text = hf_tokenizer.decode(rollout["tokens"], skip_special_tokens=True)
-                dump.write(json.dumps(rollout | {"text": text}) + "\n")
-            dump.flush()
+                files["rollouts"].write(json.dumps(rollout | {"text": text}) + "\n")
+            files["rollouts"].flush()
         if worker.rank() == 0:
-            worker.progress(done, job.grpo.steps, reward=figures["reward"], kl=figures["kl"],
-                            loss=figures["loss"])
+            worker.progress(done, g.steps, reward=figures["reward"], kl=figures["kl"], loss=figures["loss"])
     log.close()
-    if dump is not None:
-        dump.close()
-    return {"first_step": first_step, "started_from": started_from, "steps": history,
+    for file in files.values():
+        file.close()
+    return {"first_step": first_step, "started_from": started_from, "steps": history, "evals": evals,
             "checkpoint": str(saved) if saved else None, "world_size": torch.distributed.get_world_size(),
             "device": device.name}
 
 
-@worker.entry(GRPOJob)
-def main(job: GRPOJob) -> dict[str, Any]:
+@worker.entry(RLJob)
+def main(job: RLJob) -> dict[str, Any]:
     with worker.session(job.run.parallel, job.run.seed) as device:
         return train(job, device)
 

@@ -294,16 +294,17 @@ def seeded_passes(count: int, step: int, per_step: int, seed: int) -> list[int]:
 _PASS_SEED_STRIDE = 1_000_003  # a prime above any pass count: distinct (seed, pass) -> distinct orders
 
 
-def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | None) -> Path | None:
+def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | None,
+                **state: Any) -> Path | None:
     """Save a training checkpoint after step `done` when it is the last or a multiple of save_interval
-    (collective); returns its folder, or None when none was due."""
+    (collective; `state`: see `checkpoint.save_training`); returns its folder, or None when none was due."""
     ckpt = config.checkpoint
     if not ckpt.save_dir or not (done == config.train_iters or (ckpt.save_interval and done % ckpt.save_interval == 0)):
         return None
     return checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model,
                                     torch_dtype(config.precision),
                                     layout.record(config.parallel, torch.distributed.get_world_size()),
-                                    keep_last=ckpt.keep_last, assets=assets)
+                                    keep_last=ckpt.keep_last, assets=assets, **state)
 
 
 def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | None]:
