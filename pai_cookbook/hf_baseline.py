@@ -160,3 +160,65 @@ def trl_reward_model(hf_dir: str | Path, pairs: Sequence[dict[str, Any]], valid:
             datasets.enable_progress_bars()
     return {"accuracy": metrics["eval_accuracy"], "seconds": seconds,
             "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}
+
+
+def trl_grpo(hf_dir: str | Path, prompts: Sequence[dict[str, Any]], reward: str, out_dir: str | Path, *, steps: int,
+             lr: float, prompts_per_step: int, group_size: int, max_new_tokens: int, epochs: int = 1,
+             kl_coef: float = 0.04, warmup_steps: int = 0, seed: int = 0) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same prompts and reward from the same Hugging Face model: the library reference
+    of `rlhf.grpo`. Set as the cookbook's run: `prompts_per_step` x `group_size` completions per step sampled
+    at temperature 1 without top-k/top-p, `epochs` optimizer steps on each batch (TRL's num_iterations), the
+    clipped surrogate with a k3 KL penalty `kl_coef` to the start, averaged per token over the batch (TRL's
+    "dapo" loss), group advantages over the unbiased standard deviation, Adam (betas 0.9, 0.95, no weight decay,
+    clip 1) at a constant `lr` after `warmup_steps` optimizer steps of linear warmup. Sampling is
+    transformers' `generate` and the prompt order TRL's own, so the curves agree in shape, not step for step.
+
+    Args:
+        reward: "module:function" as `rlhf.grpo` takes it; each completion's text and its prompt's record go in.
+    Returns:
+        {"rewards": the mean reward of each step's completions, "kl": per step, "seconds"}.
+    """
+    import warnings
+
+    import datasets
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from pai_cookbook import rlhf
+
+    function = rlhf.resolve_reward(reward)
+    records = [dict(p) for p in prompts]
+
+    def reward_func(prompts, completions, record_index, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [rlhf.score(function, text, records[i]) for text, i in zip(texts, record_index)]
+
+    reward_func.__name__ = reward.rpartition(":")[2]
+    rows = [{"prompt": r["messages"] if "messages" in r else r["prompt"], "record_index": i} for i, r in enumerate(records)]
+    rows_per_step = prompts_per_step * group_size
+    with warnings.catch_warnings():  # TRL 1.16 sets an argument transformers 5 renamed: nothing to change here
+        warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+        config = GRPOConfig(
+            output_dir=str(out_dir), max_steps=steps * epochs, learning_rate=lr, per_device_train_batch_size=rows_per_step,
+            gradient_accumulation_steps=1, steps_per_generation=1, num_generations=group_size, num_iterations=epochs,
+            max_completion_length=max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, beta=kl_coef, epsilon=0.2,
+            loss_type="dapo", scale_rewards="group", warmup_steps=warmup_steps,
+            lr_scheduler_type="constant_with_warmup", adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0, seed=seed,
+            data_seed=seed, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True)
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        trainer = GRPOTrainer(model=str(hf_dir), reward_funcs=reward_func, args=config,
+                              train_dataset=Dataset.from_list(rows))
+        trainer.remove_callback(PrinterCallback)
+        start = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - start
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+    # TRL logs the batch's reward on the optimizer step that sampled it (the first of its `epochs`)
+    per_batch = [entry for entry in trainer.state.log_history if "reward" in entry]
+    return {"rewards": [entry["reward"] for entry in per_batch], "kl": [entry.get("kl") for entry in per_batch],
+            "seconds": seconds}

@@ -284,3 +284,35 @@ def reward_margins(chosen: Sequence[float], rejected: Sequence[float], path: str
     ax.set_ylabel("pairs")
     ax.set_title(f"{title}: {right:.1%} ranked right")
     return _finish(fig, path)
+
+
+def proxy_and_true_reward(evals: Mapping[str, Mapping[str, Sequence[float]]],
+                          histories: Mapping[str, Mapping[str, Sequence[float]]], kl_target: float | None = None,
+                          path: str | Path | None = None, window: int = 4):
+    """Reward over-optimisation at a glance, one line per RL run: the held-out proxy reward (what the policy is
+    trained on, `rlhf.evals`), the held-out true reward beside it, and the KL per completion of each step's
+    samples (`rlhf.history`, `window`-step moving average over the faint raw values), with the target the
+    adaptive controller steers to."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12.6, 3.4))
+    for i, run in enumerate(evals):
+        color = f"C{i}"
+        axes[0].plot(evals[run]["step"], evals[run]["reward"], "o-", color=color, linewidth=2, label=run)
+        axes[1].plot(evals[run]["step"], evals[run]["true_reward"], "o-", color=color, linewidth=2, label=run)
+        values = histories[run]["kl_sequence"]
+        steps = range(1, len(values) + 1)
+        axes[2].plot(steps, values, color=color, alpha=0.25, linewidth=1)
+        axes[2].plot(steps, _smooth(values, window), color=color, linewidth=2, label=run)
+    if kl_target is not None:
+        axes[2].axhline(kl_target, color="black", linestyle="--", linewidth=1, label="KL target")
+    titles = ("held-out score of the reward model (proxy)", "held-out true reward (never trained on)",
+              "KL to the reference (per completion)")
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel("step")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[2].set_yscale("symlog", linthresh=1.0)
+    axes[2].set_ylim(bottom=0)  # k1 estimates can dip below 0 by noise; the KL itself cannot
+    axes[2].legend(fontsize=8)
+    return _finish(fig, path)

@@ -75,8 +75,9 @@ class GRPOConfig:
     lr: float = 1e-5
     """Adam's learning rate, constant after the warmup."""
     warmup_steps: int = 0
-    """Steps of linear warmup from 0 to lr: Adam's first steps move every weight by about lr whatever the
-    gradient's size, which a small policy may not survive at a learning rate it learns well at later."""
+    """Optimizer steps (`epochs` per RL step) of linear warmup from 0 to lr: Adam's first steps move every weight
+    by about lr whatever the gradient's size, which a small policy may not survive at a learning rate it learns
+    well at later."""
     clip_grad: float = 1.0
     micro_batch_size: int = 8
     """Completions per forward/backward; a step's batch (prompts x group) is split into these."""
@@ -448,7 +449,8 @@ def history(run_dir: str | Path) -> dict[str, list[Any]]:
 
 
 def evals(run_dir: str | Path) -> dict[str, list[Any]]:
-    """Every held-out evaluation of a run (run_dir/evals.jsonl, across resumed launches): figure -> values."""
+    """Every held-out evaluation of a run (run_dir/evals.jsonl, across resumed launches): figure -> values
+    ("step", "reward", "true_reward", "completion_length", and "completions": each one's prompt, text, rewards)."""
     path = Path(run_dir) / "evals.jsonl"
     by_step = {}
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -456,7 +458,7 @@ def evals(run_dir: str | Path) -> dict[str, list[Any]]:
             record = json.loads(line)
             by_step[record["step"]] = record  # a resumed run's repeat: the last
     records = [by_step[step] for step in sorted(by_step)]
-    return {key: [r.get(key) for r in records] for key in (records[0] if records else {}) if key != "completions"}
+    return {key: [r.get(key) for r in records] for key in (records[0] if records else {})}
 
 
 def read_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -65,6 +65,18 @@ def test_reward_model_learns_the_preference(trained):
 
 
 @pytest.mark.multiproc
+def test_a_finished_run_asked_again_returns_its_checkpoint_and_held_out_figures(trained, llama):
+    """Re-running a notebook cell: no step runs, and the result still names the checkpoint and scores the
+    held-out pairs with it (the same scores the last evaluation gave)."""
+    result, folder = trained
+    again = reward_model.train(llama, PAIRS, CONFIG, valid=VALID, save_dir=folder / "rm", run_dir=folder / "again",
+                               show_progress=False, echo=False)
+    assert again["steps"] == [] and again["checkpoint"] == result["checkpoint"]
+    assert again["valid"][0]["accuracy"] == result["valid"][-1]["accuracy"]
+    assert again["valid_scores"]["chosen"] == pytest.approx(result["valid_scores"]["chosen"], abs=1e-6)
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("parallel", [ParallelConfig(tensor_model_parallel_size=2),
                                       ParallelConfig(pipeline_model_parallel_size=2)], ids=["tp2", "pp2"])
 def test_two_process_layouts_train_the_reward_model_one_process_does(trained, llama, parallel, tmp_path):

@@ -140,6 +140,11 @@ def train(job: RewardModelJob, device) -> dict[str, Any]:
         if worker.rank() == 0:
             worker.progress(done, config.train_iters, loss=figures["loss"], accuracy=figures["accuracy"])
     log.close()
+    if first_step == config.train_iters:  # a finished run asked again: its checkpoint, and its held-out figures
+        saved = Path(started_from)
+        if job.valid_pairs:
+            held_out, scores = evaluate(job, model)
+            valid.append({"step": first_step} | held_out)
     return {"first_step": first_step, "started_from": started_from, "steps": history, "valid": valid,
             "valid_scores": {"chosen": [s[0] for s in scores], "rejected": [s[1] for s in scores]},
             "checkpoint": str(saved) if saved else None, "world_size": torch.distributed.get_world_size(),

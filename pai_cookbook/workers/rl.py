@@ -507,6 +507,8 @@ def train(job: RLJob, device) -> dict[str, Any]:
     log.close()
     for file in files.values():
         file.close()
+    if first_step == g.steps and started_from:  # a finished run asked again: its checkpoint (evals.jsonl has the rest)
+        saved = Path(started_from)
     return {"first_step": first_step, "started_from": started_from, "steps": history, "evals": evals,
             "checkpoint": str(saved) if saved else None, "world_size": torch.distributed.get_world_size(),
             "device": device.name}
