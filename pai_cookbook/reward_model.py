@@ -91,6 +91,11 @@ class RewardModelJob(Job):
 
     def check(self, world_size: int, device: Any) -> None:
         self.run.validate(world_size, device)
+        whole = self.run.parallel.data_parallel_size(world_size) * self.rm.micro_batch_size
+        if self.valid_pairs and len(self.valid_pairs) < whole:  # held-out pairs run in whole micro-batches
+            raise ConfigError(f"{len(self.valid_pairs)} held-out pairs fill no micro-batch of {self.rm.micro_batch_size} "
+                              f"pairs on each of the {whole // self.rm.micro_batch_size} data-parallel ranks, so none "
+                              f"would be scored; give at least {whole} (a multiple of {whole} scores them all).")
 
 
 def check_pairs(pairs: Sequence[dict[str, Any]], what: str = "pair") -> None:

@@ -175,6 +175,11 @@ def test_bad_pairs_are_refused_before_launch(llama, change, message, no_launch):
         reward_model.train(llama, pairs)
 
 
+def test_too_few_held_out_pairs_are_refused(llama, no_launch):
+    with pytest.raises(ConfigError, match="3 held-out pairs fill no micro-batch of 4 pairs"):
+        reward_model.train(llama, PAIRS, CONFIG, valid=VALID[:3])
+
+
 def test_sequence_parallel_is_refused(llama, no_launch):
     with pytest.raises(ConfigError, match="without sequence parallelism"):
         reward_model.train(llama, PAIRS, parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
