@@ -325,10 +325,11 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
     prompt_ids = [tokenizer.encode(hf, record, config.chat_template) for record in records]
     eval_ids = [tokenizer.encode(hf, record, config.chat_template) for record in eval_records]
     width = max(map(len, prompt_ids + eval_ids))
-    limits = [model.max_position_embeddings] + ([checkpoint.read_config(reward_model)[0].max_position_embeddings]
-                                                if reward_model else [])
+    reward_model_config = checkpoint.read_config(reward_model)[0] if reward_model else None
+    limits = [model.max_position_embeddings] + ([reward_model_config.max_position_embeddings]
+                                                if reward_model_config else [])
     if width + config.max_new_tokens > min(limits):
-        longest = max(records + eval_records, key=lambda r: len(tokenizer.encode(hf, r, config.chat_template)))
+        longest = max(zip(records + eval_records, prompt_ids + eval_ids), key=lambda pair: len(pair[1]))[0]
         raise ConfigError(f"prompt {longest['line']} has {width} tokens; with max_new_tokens {config.max_new_tokens} "
                           f"it exceeds the {min(limits)} positions of the policy or the reward model. Shorten it or "
                           f"lower max_new_tokens.")
@@ -341,7 +342,7 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
     parallel = parallel or ParallelConfig()
     layout.check(model, parallel, purpose="train")
     layout.check(model, parallel, purpose="infer")  # the engine samples at the training layout
-    scalar_heads = [reward_model] if reward_model else []
+    scalar_heads = [reward_model_config] if reward_model_config else []  # models with a scalar head
     data = DataConfig(seq_length=width + config.max_new_tokens, micro_batch_size=config.micro_batch_size,
                       global_batch_size=config.rows)
     run = RunConfig(
@@ -354,8 +355,8 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
     if isinstance(config, PPOConfig):
         start = generate.resolve_checkpoint(critic, language_model=False) if critic else reward_model or policy
         _same_tokenizer(policy, start, "critic")
-        scalar_heads.append(start)
         critic_model, critic_dtype = checkpoint.read_config(start)
+        scalar_heads.append(critic_model)
         critic_run = RunConfig(
             model=critic_model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[critic_dtype]),
             optimizer=_optimizer(config, config.critic_lr or config.lr), data=data,
@@ -367,12 +368,12 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
     if parallel.sequence_parallel and scalar_heads:
         raise ConfigError("sequence_parallel=True: a reward model's or critic's scalar head reads whole hidden states on "
                           "every tensor-parallel rank; run it without sequence parallelism.")
-    for folder in scalar_heads:
-        layout.check(checkpoint.read_config(folder)[0], parallel, purpose="train")
+    for scalar_model in scalar_heads:
+        layout.check(scalar_model, parallel, purpose="train")
     algorithm = {"ppo": config} if isinstance(config, PPOConfig) else {"grpo": config}
     return RLJob(run=run, **algorithm, reference=str(reference.resolve()), reward=reward,
                  reward_model=str(reward_model.resolve()) if reward_model else None,
-                 reward_model_config=checkpoint.read_config(reward_model)[0] if reward_model else None,
+                 reward_model_config=reward_model_config,
                  critic=critic_run, true_reward=true_reward, records=records, prompt_ids=prompt_ids,
                  eval_records=eval_records, eval_ids=eval_ids, eos_ids=eos, pad_id=eos[0])
 

@@ -101,12 +101,8 @@ def evaluate(job: RewardModelJob, model) -> tuple[dict[str, float], list[list[fl
         reports = run_pairs(job, model, micro_batches(job, pairs[:usable]), forward_only=True)
     for chunk in model:
         chunk.train()
-    mine = torch.cat([r["scores"] for r in reports]).tolist() if reports and ps.get_tensor_model_parallel_rank() == 0 \
-        else None
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, (ps.get_data_parallel_rank(), mine))
-    by_rank = dict(entry for entry in gathered if entry[1] is not None)
-    return _figures(reports) | {"pairs": usable}, [s for rank in sorted(by_rank) for s in by_rank[rank]]
+    scores = trainer.gather_rows(torch.cat([r["scores"] for r in reports]).tolist() if reports else None)
+    return _figures(reports) | {"pairs": usable}, scores
 
 
 def train(job: RewardModelJob, device) -> dict[str, Any]:

@@ -110,7 +110,7 @@ def rewards(job: RLJob, reward_model, rollouts: list[dict[str, Any]], prompt_ids
         return _function_scores(job.reward, rollouts, records, hf_tokenizer)
     batches = micro_batches(job, rows(job, rollouts, prompt_ids))
     scores = _forward_only(reward_model, job, batches, _read_score)
-    return _gather_rows(torch.cat(scores).tolist() if scores else None)
+    return trainer.gather_rows(torch.cat(scores).tolist() if scores else None)
 
 
 def _read_score(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
@@ -123,19 +123,6 @@ def _read_values(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
 
 def _read_logprobs(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
     return -output.float()
-
-
-def _gather_rows(mine: list[float] | None) -> list[float]:
-    """Every data-parallel rank's rows in order, on every rank, from the ranks that hold them (the last
-    pipeline stage's first tensor-parallel rank; the others pass None)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_tensor_model_parallel_rank() != 0:
-        mine = None
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, (ps.get_data_parallel_rank(), mine))
-    by_rank = dict(entry for entry in gathered if entry[1] is not None)
-    return [value for rank in sorted(by_rank) for value in by_rank[rank]]
 
 
 def rows(job: RLJob, rollouts: list[dict[str, Any]], prompt_ids: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -238,7 +225,7 @@ def _value_forward(data_iterator, model):
 
 def _value_loss(batch: dict[str, Any], output: torch.Tensor):
     """PPO's clipped value loss of the micro-batch's completion tokens, summed and scaled like the policy's."""
-    values = output[..., 0].float()
+    values = _read_values(batch, output)
     mask = batch["loss_mask"].to(values)
     error, clipped = rl.clipped_value_error(values, batch["old_values"].to(values), batch["returns"].to(values),
                                             batch["value_clip"])
@@ -365,8 +352,6 @@ def rl_step(job: RLJob, step: int, model, reference, optimizer, scheduler, engin
         mb["ref_logprobs"] = ref[i] if ref else zeros
         if critic is not None:
             mb["old_values"] = values[i] if values else zeros
-            mb.setdefault("advantages", zeros)
-            mb.setdefault("returns", zeros)
     extra = ppo_advantages(job, batches, kl_coef) | {"kl_coef": kl_coef} if critic is not None else {}
     updates = update(job, model, optimizer, scheduler, batches, critic)
     lengths = [len(r["tokens"]) for r in rollouts]

@@ -167,6 +167,19 @@ def global_sums(reports: list[dict[str, torch.Tensor]], key: str, width: int) ->
     return value.cpu()
 
 
+def gather_rows(mine: list[Any] | None) -> list[Any]:
+    """Every data-parallel rank's per-row results in data-parallel order, on every rank, from the ranks that
+    hold them (the last pipeline stage's first tensor-parallel rank; the others' `mine` is ignored)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_rank() != 0:
+        mine = None
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (ps.get_data_parallel_rank(), mine))
+    by_rank = dict(entry for entry in gathered if entry[1] is not None)
+    return [value for rank in sorted(by_rank) for value in by_rank[rank]]
+
+
 def micro_batches(config: RunConfig, dataset: Any, step: int, shuffle: bool = True) -> list[dict[str, torch.Tensor]]:
     """This rank's micro-batches of global batch `step`, from the dataset or the synthetic source (an SFT
     set's rows are reshuffled every epoch when `shuffle`; validation reads them in order)."""
@@ -279,6 +292,9 @@ class StepLog:
             self.tensorboard.close()
 
 
+_PASS_SEED_STRIDE = 1_000_003  # a prime above any pass count: distinct (seed, pass) -> distinct orders
+
+
 def seeded_passes(count: int, step: int, per_step: int, seed: int) -> list[int]:
     """Indices of step `step`'s `per_step` items out of `count`: consecutive passes over the set, each in an
     order seeded by (seed, pass), so a step draws the same items at every layout and on a resumed run."""
@@ -290,8 +306,6 @@ def seeded_passes(count: int, step: int, per_step: int, seed: int) -> list[int]:
         chosen.append(int(orders[epoch][index]))
     return chosen
 
-
-_PASS_SEED_STRIDE = 1_000_003  # a prime above any pass count: distinct (seed, pass) -> distinct orders
 
 
 def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | None,
