@@ -102,3 +102,21 @@ def test_explained_variance_and_whitening():
     assert white[mask == 0].tolist() == [0.0] * 4
     # a rank's share whitened with the whole batch's moments (what the PPO worker passes) is that slice
     assert torch.equal(rl.whiten(returns[:1], mask[:1], (2.5, 5 / 3)), white[:1])
+
+
+def test_sampled_token_log_probabilities_keep_float64s_digits_on_a_trained_models_row():
+    """The RL worker's engine log-probabilities against float64 on a row shaped like a trained model's (one
+    logit near 9, the unused part of a 49,152-token vocabulary near -7.6, as notebook 08's policy has)."""
+    from pai_cookbook.workers.generate import entropy, token_logprobs
+
+    logits = -7.6 + 0.24 * torch.randn(2, 49152, generator=torch.Generator().manual_seed(0))
+    logits[:, 33], logits[:, 40] = 9.4, 6.6
+    tokens, rows = torch.tensor([33, 40]), torch.arange(2)
+    exact = torch.log_softmax(logits.double(), -1)
+    # Megatron-Core's return_log_probs is torch.log_softmax, whose fp32 CPU kernel loses every exp(-17) term
+    # against the running sum: 2.0e-4 here. The case must show that, or it guards nothing.
+    lost = float((torch.log_softmax(logits, -1)[rows, tokens].double() - exact[rows, tokens]).abs().max())
+    if lost < 1e-4:
+        pytest.skip(f"this torch's float32 log_softmax keeps the digits here ({lost:.1e}); nothing to guard")
+    assert float((token_logprobs(logits, tokens).double() - exact[rows, tokens]).abs().max()) < 1e-6
+    assert torch.allclose(entropy(logits).double(), -(exact.exp() * exact).sum(-1), atol=1e-5)

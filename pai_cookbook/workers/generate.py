@@ -47,13 +47,15 @@ def _controller_class():
 
         def configure(self, *, vocab_size: int, repetition_penalty: float, eos_ids: list[int],
                       stop: list[str], prompt_lengths: list[int], max_new_tokens: int,
-                      track_entropy: bool = False) -> None:
+                      track_logprobs: bool = False) -> None:
             self.real_vocab, self.penalty, self.stop, self.max_new = vocab_size, repetition_penalty, stop, max_new_tokens
             self.eos = torch.tensor(eos_ids, dtype=torch.long)
             self.prompt_lengths = prompt_lengths
             self.finish = [FINISH_LENGTH] * len(prompt_lengths)
-            # per sampling step, each row's entropy of the model's next-token distribution (RL logs it)
-            self.entropies: list[torch.Tensor] | None = [] if track_entropy else None
+            # per sampling step, each row's log-probability of the token it sampled and the entropy of its
+            # next-token distribution (the RL worker reads both; see `token_logprobs`)
+            self.logprobs: list[torch.Tensor] | None = [] if track_logprobs else None
+            self.entropies: list[torch.Tensor] | None = [] if track_logprobs else None
 
         def pad_input_prompt_tokens(self, batch_prompt_tokens_list, padded_batch_size, padded_sequence_length):
             self.position = min(len(p) for p in batch_prompt_tokens_list)  # first sampled position
@@ -62,18 +64,21 @@ def _controller_class():
             return self.tokens  # updated in place by the controller as tokens are generated
 
         def sample_from_logits(self, last_token_logits, sampling_params=None, vocab_size=None, **kwargs):
-            logits = last_token_logits.float().clone()
+            raw = last_token_logits.float()
+            logits = raw.clone()
             logits[:, self.real_vocab:] = float("-inf")  # padding rows of the output layer
             if self.entropies is not None:
-                log_p = torch.log_softmax(logits[:, :self.real_vocab], -1)
-                self.entropies.append(-(log_p.exp() * log_p).sum(-1).cpu())
+                self.entropies.append(entropy(raw[:, :self.real_vocab]).cpu())
             if self.penalty != 1.0:
                 seen = self.tokens[:logits.shape[0], :self.position].to(logits.device)
                 score = logits.gather(1, seen)
                 score = torch.where(score < 0, score * self.penalty, score / self.penalty)
                 logits.scatter_(1, seen, score)
             self.position += 1
-            return super().sample_from_logits(logits, sampling_params, vocab_size, **kwargs)
+            sampled = super().sample_from_logits(logits, sampling_params, vocab_size, **kwargs)
+            if self.logprobs is not None:
+                self.logprobs.append(token_logprobs(raw, sampled).cpu())
+            return sampled
 
         def update_generation_status(self, updated_prompts_tokens, generation_started,
                                      current_context_end_position, is_generation_done_tensor,
@@ -101,6 +106,26 @@ def _controller_class():
             return done.to(device), lengths.to(device).int()
 
     return CookbookController
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] of each row, over the whole output layer as the trainer's cross entropy
+    normalises (its padding rows included), at temperature 1: the policy's own probability of the token.
+
+    Written as logit - logsumexp rather than with `torch.log_softmax`, which Megatron-Core's
+    `return_log_probs` uses: on CPU its fp32 kernel adds exp(logit - max) one by one, and a trained model's
+    row (one logit near 10, tens of thousands of unused ones near -8, each under half an ulp of the running
+    sum) loses up to 2.3e-4 nats over a 49,152-token vocabulary (docs/megatron-core-on-cpu.md). logsumexp's
+    summation, like the trainer's cross entropy, stays within 1e-6 of float64.
+    """
+    logits = logits.float()
+    return logits.gather(1, tokens.view(-1, 1).long()).squeeze(1) - torch.logsumexp(logits, -1)
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's entropy (nats) of softmax(logits)."""
+    log_p = logits.float() - torch.logsumexp(logits.float(), -1, keepdim=True)
+    return -(log_p.exp() * log_p).sum(-1)
 
 
 def _wrapper_class(kv_cache: bool):

@@ -3,8 +3,8 @@
 Its job is a `pai_cookbook.rlhf.RLJob` (PPO when its config is a PPOConfig). One step (`rl_step`):
 1. `sample`: the static inference engine of notebook 07 (`workers.generate.build_engine`) over the very
    GPTModel the optimizer updates (DDP's `.module`), temperature 1, no top-k/top-p, seeded by (seed, step),
-   returning each sampled token's log-probability. Every rank samples every completion (same seeds, same
-   tokens); each data-parallel rank then trains on its share.
+   its controller recording each sampled token's log-probability. Every rank samples every completion (same
+   seeds, same tokens); each data-parallel rank then trains on its share.
 2. Rewards: a function on global rank 0 (once per completion), broadcast; or a reward model's forward
    (its score at each completion's last token), each data-parallel rank scoring its share, gathered.
 3. Forward passes without gradients through Megatron-Core's pipeline schedule: the policy's log-probabilities
@@ -52,21 +52,20 @@ def step_prompts(job: RLJob, step: int) -> list[int]:
 def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], group_size: int, seed: int,
            step: int) -> list[dict[str, Any]]:
     """`group_size` completions of each of `prompts` (indices into `prompt_ids`) from the engine, its sampling
-    seeded by `seed`: tokens (the end token included when one ended it) and the engine's log-probability of
-    each sampled token before it."""
+    seeded by `seed`: tokens (the end token included when one ended it), the log-probability of each under
+    the engine's logits (`workers.generate.token_logprobs`) and the entropy of the distribution it came from."""
     from megatron.core.inference.inference_request import InferenceRequest
     from megatron.core.inference.sampling_params import SamplingParams
 
     controller = engine.controller
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=0.0, num_tokens_to_generate=job.config.max_new_tokens,
-                            return_log_probs=True)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=0.0, num_tokens_to_generate=job.config.max_new_tokens)
     params.add_attributes({"no_early_termination": True})  # ends are the cookbook controller's rule
     rows = [(prompt, group) for group, prompt in enumerate(prompts) for _ in range(group_size)]
     ids = [prompt_ids[prompt] for prompt, _ in rows]
     controller.sampling_rng.manual_seed(seed)
     controller.configure(vocab_size=job.run.model.vocab_size, repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
                          prompt_lengths=[len(i) for i in ids], max_new_tokens=job.config.max_new_tokens,
-                         track_entropy=True)
+                         track_logprobs=True)
     first = min(len(i) for i in ids)  # the first sampling step's position: a row's token j is sampled at
     # step len(prompt) - first + j (rows with longer prompts feed their own tokens until then)
     requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=list(i),
@@ -74,7 +73,6 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
     out = []
     for row, ((prompt, group), request) in enumerate(zip(rows, engine.generate(inference_requests=requests))):
         tokens = request.generated_tokens.tolist()
-        logprobs = [float(x) for x in request.generated_log_probs]
         finish = controller.finish[row]
         if finish == engine_worker.FINISH_EOS:  # the end token ends the row uncounted; the policy must learn it
             end = int(controller.tokens[row, len(ids[row]) + len(tokens)])
@@ -84,7 +82,8 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
                                    f"{controller.tokens[row, len(ids[row]):].tolist()}")
             tokens.append(end)
         steps = range(len(ids[row]) - first, len(ids[row]) - first + len(tokens))
-        entropy = [float(controller.entropies[i][row]) for i in steps if i < len(controller.entropies)]
+        logprobs = [float(controller.logprobs[i][row]) for i in steps]
+        entropy = [float(controller.entropies[i][row]) for i in steps]
         out.append({"step": step, "row": row, "prompt": prompt, "group": group, "tokens": tokens,
                     "engine_logprobs": logprobs, "entropy": entropy, "finish": finish})
     return out
@@ -128,8 +127,7 @@ def _read_logprobs(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
 def rows(job: RLJob, rollouts: list[dict[str, Any]], prompt_ids: list[list[int]]) -> dict[str, torch.Tensor]:
     """[rows, longest prompt + max_new_tokens] training rows: prompt + completion, labels shifted by one,
     `loss_mask` on the positions that predict a completion token, `end` the last token's position, the
-    engine's log-probabilities (`engine_mask`: without an appended end token, whose log-probability the
-    engine does not return)."""
+    engine's log-probabilities of the same tokens (`engine_mask`: where the rollout has them)."""
     n, width = len(rollouts), job.run.data.seq_length
     tokens = torch.full((n, width), job.pad_id, dtype=torch.long)
     labels = torch.full((n, width), job.pad_id, dtype=torch.long)
