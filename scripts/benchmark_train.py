@@ -12,6 +12,7 @@ prints figures and the cookbook/raw ratio rather than asserting on them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -104,7 +105,9 @@ def main() -> None:
                        optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5), train_iters=opts.steps)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        unfused = dataclasses.replace(config, model=dataclasses.replace(model, attention_backend="unfused"))
         figures = {"cookbook worker": cookbook(config, opts.steps, work),
+                   "cookbook worker, unfused attention": cookbook(unfused, opts.steps, work / "unfused"),
                    "raw Megatron-Core loop": raw_megatron(config, opts.steps, work),
                    "HF LlamaForCausalLM + PyTorch loop": hugging_face(config, opts.steps)}
         prepare_rate, tokenizer_rate = preprocessing(work)
@@ -116,6 +119,8 @@ def main() -> None:
     print(f"  cookbook / raw Megatron-Core: {ratio:.3f} (overhead {100 * (1 - ratio):+.1f}%)")
     print(f"  data.prepare {prepare_rate:,.0f} tokens/s vs tokenizer batch call {tokenizer_rate:,.0f} tokens/s "
           f"(ratio {prepare_rate / tokenizer_rate:.2f})")
+    print(f"cookbook / transformers + PyTorch: "
+          f"{figures['cookbook worker'] / figures['HF LlamaForCausalLM + PyTorch loop']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -201,6 +201,7 @@ def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | 
 
         for spec in block.layer_specs:
             spec.module = seeded
+            _choose_attention(spec, model)
             experts = getattr(spec.submodules.mlp.submodules, "experts", None)
             if experts is not None and experts.module is SequentialMLP:
                 experts.module = _seeded_experts_class(SequentialMLP)
@@ -210,7 +211,20 @@ def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | 
     else:
         spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
     spec.module = seeded
+    _choose_attention(spec, model)
     return spec
+
+
+def _choose_attention(spec, model: ModelConfig) -> None:
+    """The local spec's core attention on PyTorch's fused kernel (`core.attention`) unless the model asks for
+    Megatron-Core's unfused one; Transformer Engine's attention is left as it is."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from pai_cookbook.core.attention import SDPAttention
+
+    attention = spec.submodules.self_attention.submodules
+    if attention.core_attention is DotProductAttention and model.attention_backend == "sdpa":
+        attention.core_attention = SDPAttention
 
 
 HEADS = ("lm", "reward")

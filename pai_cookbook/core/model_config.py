@@ -81,6 +81,10 @@ class ModelConfig:
     """Share the input embedding with the output layer (small Qwen2 models)."""
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    attention_backend: Literal["sdpa", "unfused"] = "sdpa"
+    """Core attention where Transformer Engine's is not used (every CPU run): "sdpa", PyTorch's fused
+    scaled_dot_product_attention (`core.attention`); "unfused", Megatron-Core's DotProductAttention, whose
+    score matrix is materialised. Same parameters and results (to float rounding); not architecture."""
     init_method_std: float = 0.02
     """Std of the normal weight init for models trained from scratch."""
 
@@ -132,6 +136,9 @@ class ModelConfig:
         _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
                  f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                  f"{self.num_attention_heads}; set kv_channels (head dim) explicitly or change one of them.")
+        _require(self.attention_backend in ("sdpa", "unfused"),
+                 f"attention_backend {self.attention_backend!r}: one of 'sdpa' (PyTorch's fused attention) or "
+                 f"'unfused' (Megatron-Core's DotProductAttention).")
         groups = self.query_groups
         _require(self.num_attention_heads % groups == 0,
                  f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "

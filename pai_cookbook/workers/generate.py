@@ -132,13 +132,18 @@ def _wrapper_class(kv_cache: bool):
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
 
     class CountingWrapper(GPTInferenceWrapper):
-        """Records the token count of every forward step (what the KV-cache test asserts on)."""
+        """Records the token count of every forward step (what the KV-cache test asserts on) and the seconds
+        spent in them (the rest of a step is the controller's: sampling, bookkeeping)."""
 
         forward_lengths: list[int]
+        forward_seconds: float = 0.0
 
         def run_one_forward_step(self, inference_input, recv_buffer_seq_len=None):
             self.forward_lengths.append(int(inference_input["tokens"].shape[1]))
-            return super().run_one_forward_step(inference_input, recv_buffer_seq_len)
+            start = time.perf_counter()
+            out = super().run_one_forward_step(inference_input, recv_buffer_seq_len)
+            self.forward_seconds += time.perf_counter() - start
+            return out
 
     class RecomputingWrapper(CountingWrapper):
         """No KV cache: every step runs the whole prefix again from position 0."""
@@ -202,6 +207,7 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
         dp_rank, dp_size = 0, 1
     mine: dict[int, tuple[list[int], str]] = {}
     forward_lengths: list[tuple[int, list[int]]] = []
+    wrapped.forward_seconds = 0.0
     start = time.perf_counter()
     for number, batch in enumerate(batches):
         if number % dp_size != dp_rank:
@@ -219,16 +225,16 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
         if worker.rank() == 0:
             worker.progress(min((number + 1) * batch_size, len(prompts)), len(prompts))
     seconds = time.perf_counter() - start
-    return _gather(job, mine, forward_lengths, seconds, parallel)
+    return _gather(job, mine, forward_lengths, (seconds, wrapped.forward_seconds), parallel)
 
 
-def _gather(job, mine, forward_lengths, seconds, parallel) -> dict[str, Any]:
+def _gather(job, mine, forward_lengths, timing: tuple[float, float], parallel) -> dict[str, Any]:
     """Collect every rank's outputs on rank 0; check that the ranks of each model replica agree."""
     from megatron.core import parallel_state as ps
 
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, {"dp": ps.get_data_parallel_rank(), "outputs": mine,
-                                                   "seconds": seconds, "forward_lengths": forward_lengths})
+                                                   "seconds": timing, "forward_lengths": forward_lengths})
     if worker.rank() != 0:
         return {}
     merged: dict[int, tuple[list[int], str]] = {}
@@ -237,10 +243,10 @@ def _gather(job, mine, forward_lengths, seconds, parallel) -> dict[str, Any]:
         for i, out in share["outputs"].items():
             agree &= merged.setdefault(i, out) == out
     tokens = [merged[i][0] for i in range(len(job.prompt_ids))]
-    slowest = max(share["seconds"] for share in everyone)
+    slowest, forward = max(share["seconds"] for share in everyone)  # the slowest rank's total and forward time
     generated = sum(len(t) for t in tokens)
     return {"label": job.label, "tokens": tokens, "finish": [merged[i][1] for i in range(len(tokens))],
-            "ranks_agree": agree, "seconds": slowest, "generated_tokens": generated,
+            "ranks_agree": agree, "seconds": slowest, "forward_seconds": forward, "generated_tokens": generated,
             "tokens_per_s": generated / slowest if slowest > 0 else 0.0,
             "forward_lengths": [lengths for _, lengths in sorted(  # per batch, from whichever rank ran it
                 {number: lengths for share in everyone for number, lengths in share["forward_lengths"]}.items())],

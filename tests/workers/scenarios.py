@@ -13,6 +13,9 @@ Job: Scenario(config, scenario, layouts)
                and every parameter's final gradient (after the DP all-reduce and the per-token scaling)
   token_losses the checkpoint config.checkpoint.load_dir's per-token losses of the first 4 training rows of
                the SFT set config.data.paths[0], packed, with the block-diagonal mask
+  attention    the model built twice from one seed, with PyTorch's fused attention and with Megatron-Core's
+               unfused one: logits of a causal batch and of packed rows (block-diagonal mask), the loss and
+               every parameter's gradient of one backward pass, and each build's core-attention class
   fp8_scales   two forward/backward passes of one batch at the loaded weights, no optimizer step; then each
                FP8 GEMM's delayed-scaling scales, from Transformer Engine or from the emulated backend
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
@@ -104,6 +107,38 @@ def packed_logits(config: RunConfig, device) -> dict:
             "max_abs_diff_without_boundaries": diffs["unmasked"]}
 
 
+def attention(config: RunConfig, device) -> dict:
+    import dataclasses
+
+    from pai_cookbook import sft
+    from pai_cookbook.workers.train import model_forward
+
+    generator = torch.Generator().manual_seed(config.seed)
+    seq, vocab = config.data.seq_length, config.model.vocab_size
+    tokens = torch.randint(0, vocab, (3, seq), generator=generator)
+    causal = {"tokens": tokens, "labels": tokens.roll(-1, 1)}
+    lengths = [9, 17, 5, 30, 12]
+    samples = [sft.Sample(ids=torch.randint(1, vocab, (n,), generator=generator).tolist(), loss_mask=[True] * n)
+               for n in lengths]
+    packed = sft.batch(samples, sft.pack([n - 1 for n in lengths], seq), seq, pad_id=0)
+    out = {}
+    for backend in ("sdpa", "unfused"):
+        model = dataclasses.replace(config.model, attention_backend=backend)
+        (gpt,) = build_model(model, config.parallel, config.precision, device, config.seed)
+        loss = model_forward(gpt, causal).float().mean()
+        loss.backward()
+        with torch.no_grad():
+            out[backend] = {"causal": model_forward(gpt, causal, labels=False).float(),
+                            "packed": model_forward(gpt, packed, labels=False).float(), "loss": float(loss),
+                            "grads": torch.cat([p.grad.float().view(-1) for p in gpt.parameters()]),
+                            "core_attention": type(gpt.decoder.layers[0].self_attention.core_attention).__name__}
+    fused, unfused = out["sdpa"], out["unfused"]
+    diff = {key: float((fused[key] - unfused[key]).abs().max()) for key in ("causal", "packed", "grads")}
+    return {"max_abs_diff": diff, "loss": [fused["loss"], unfused["loss"]],
+            "grad_scale": float(unfused["grads"].abs().max()),
+            "core_attention": [fused["core_attention"], unfused["core_attention"]]}
+
+
 def token_losses(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
     from pai_cookbook.core import checkpoint
@@ -191,6 +226,8 @@ def main(job: Scenario) -> dict:
             return module_types(config, device)
         if job.scenario == "packed_logits":
             return packed_logits(config, device)
+        if job.scenario == "attention":
+            return attention(config, device)
         if job.scenario == "token_losses":
             return token_losses(config, device)
         if job.scenario == "fp8_scales":

@@ -1,0 +1,58 @@
+"""Core attention on `torch.nn.functional.scaled_dot_product_attention` for Megatron-Core's local layer spec.
+
+Megatron-Core's local spec (no Transformer Engine: every CPU run) computes attention unfused: the scores
+[b, heads, sq, sk] materialised by `baddbmm`, masked, a softmax, then `bmm` with the values, with grouped
+keys and values first repeated to every query head. `SDPAttention` is that module with its forward on
+PyTorch's fused kernel (on CPU a flash-attention kernel that never holds the score matrix; on CUDA without
+Transformer Engine, flash or memory-efficient kernels): same parameters (none), same inputs and outputs.
+
+- Causal: Megatron-Core's rule (a causal mask when none is given and the query has more than one position,
+  queries and keys aligned from position 0); a one-position query (a KV-cached decode step) sees every key.
+- Grouped-query attention: the kernel's `enable_gqa`, so keys and values are not repeated.
+- A given boolean mask (True: masked, Megatron-Core's convention; e.g. `sft.attention_mask`, block-diagonal for
+  packed rows) is passed to the kernel, inverted.
+- What it does not cover falls back to Megatron-Core's own forward, unchanged: attention dropout while
+  training (its mask is drawn from Megatron-Core's RNG tracker), softmax variants with an offset, sliding
+  windows, attention bias.
+
+`core.model.layer_spec` swaps it in wherever the local spec's `DotProductAttention` is used, unless the model
+asks for the unfused one (`ModelConfig.attention_backend="unfused"`, as the parity tests do).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class SDPAttention(DotProductAttention):
+    """Megatron-Core's `DotProductAttention` computed by `scaled_dot_product_attention` (see the module)."""
+
+    def _fused(self) -> bool:
+        dropout = self.training and self.attention_dropout.p > 0
+        layer_scaling = self.scale_mask_softmax.scale is not None  # apply_query_key_layer_scaling
+        return (not dropout and not layer_scaling and self.softmax_offset is None
+                and getattr(self.config, "window_size", None) is None)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if not self._fused() or attention_bias is not None or packed_seq_params is not None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        sq, b, heads, dim = query.shape
+        sk = key.shape[0]
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        mask, causal = None, False
+        if attention_mask is not None:
+            mask = ~attention_mask  # the kernel's convention: True attends
+        elif self.attn_mask_type == AttnMaskType.causal and sq > 1:
+            if sq != sk:
+                raise ValueError(f"causal attention without a mask needs as many queries as keys ({sq} vs {sk})")
+            causal = True
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != heads)
+        # [b, n, sq, d] -> [sq, b, n * d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
