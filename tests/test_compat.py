@@ -101,6 +101,14 @@ def test_gloo_p2p_interleaved_pipeline_matches_single_process(run_scenario):
     assert max(abs(a - b) for a, b in zip(wrong, reference)) > 1e-4
 
 
+def test_a_cpu_worker_builds_its_model_without_importing_torchinductor(run_scenario):
+    """Megatron-Core's fusions wrap themselves in torch.compile at import, which imports TorchInductor (1.6 s
+    of every CPU worker's start); the layer imports Megatron-Core with torch.compile as the identity."""
+    figures = run_scenario(tiny_run(), 1, "module_types")
+    assert "GPTModel" in figures["types"] and "SDPAttention" in figures["types"], figures["types"]
+    assert figures["compilers_imported"] == []
+
+
 def test_apply_is_idempotent_and_rejects_unknown_names():
     import subprocess
     import sys

@@ -363,6 +363,31 @@ def check_version(version: str | None = None) -> None:
                            f"and run any supported version.")
 
 
+def _import_megatron_uncompiled() -> None:
+    """Import Megatron-Core with `torch.compile` standing in as the identity while it loads (CPU only).
+
+    `megatron.core.jit` binds `jit_fuser = torch.compile`, and a dozen small functions (bias-GELU/GeGLU/SwiGLU
+    fusions, a router's expert bias, a norm) are decorated with it as their modules import. Wrapping a function
+    in torch.compile imports TorchInductor: 1.6 of the 4.3 s that `import megatron.core` takes on this machine,
+    paid by every worker (measured; docs/megatron-core-on-cpu.md). The cookbook turns the fusions off without
+    CUDA (`core.model.transformer_config`), and where one of the others runs on CPU it now runs as the plain
+    PyTorch function it wraps, instead of being compiled by Inductor on its first call. Not a CUDA assumption
+    (so not one of `PATCHES`): a start-up cost. Changes nothing when megatron.core is already imported.
+    """
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+
+    def identity(model=None, **kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = identity
+    try:
+        import megatron.core  # noqa: F401  (imports megatron.core.jit and the fusions under the identity)
+    finally:
+        torch.compile = compile_
+
+
 def apply(skip: tuple[str, ...] | None = None) -> list[str]:
     """Apply every patch once per process; a no-op (returns []) when CUDA is available.
 
@@ -377,6 +402,7 @@ def apply(skip: tuple[str, ...] | None = None) -> list[str]:
     if torch.cuda.is_available():
         _applied = []
         return _applied
+    _import_megatron_uncompiled()
     check_version()
     if skip is None:
         skip = tuple(s for s in os.environ.get(SKIP_ENV, "").split(",") if s)

@@ -145,13 +145,12 @@ def init_distributed(parallel: Any, seed: int) -> DeviceInfo:
     Returns:
         The device this rank runs on.
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     device = detect_device()
-    if not device.is_cuda:
+    if not device.is_cuda:  # before Megatron-Core is imported (compat imports it without compiling its fusions)
         from pai_cookbook.core import compat
         compat.apply()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.is_cuda:
         torch.cuda.set_device(local_rank)

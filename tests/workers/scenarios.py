@@ -6,7 +6,8 @@ Job: Scenario(config, scenario, layouts)
   param_counts build the model of config.model and count its parameters over all ranks
   layouts      train once per config in `layouts`, rebuilding Megatron-Core's parallel state for each
                inside one process group; returns each history
-  module_types build the model of config and list the class names of its modules (which layers a device gets)
+  module_types build the model of config and list the class names of its modules (which layers a device gets),
+               and whether TorchInductor was imported on the way
   packed_logits the same random conversations packed into shared rows and padded one per row: logits per
                conversation, with the block-diagonal mask and (negative control) without it
   grads        per config in `layouts`: one global batch's forward/backward (no optimizer step), its loss
@@ -71,8 +72,11 @@ def param_counts(config: RunConfig, device) -> dict:
 
 
 def module_types(config: RunConfig, device) -> dict:
+    import sys
+
     chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
-    return {"types": sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()})}
+    return {"types": sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()}),
+            "compilers_imported": [m for m in ("torch._inductor", "torch._inductor.compile_fx") if m in sys.modules]}
 
 
 def packed_logits(config: RunConfig, device) -> dict:
