@@ -165,3 +165,23 @@ def test_a_full_disk_shows_the_os_error_and_the_failing_rank(tmp_path):
         launch.launch(probe("enospc", tmp_path), nproc_per_node=2, run_dir=tmp_path, echo=False)
     assert err.value.rank == 1
     assert "No space left on device" in str(err.value) and "iter_0000010.partial" in str(err.value)
+
+
+def _summary(*ranks: tuple[int, int]) -> str:
+    """torchrun's failure summary for (rank, exit code) pairs."""
+    return "\n".join(f"[{i}]:\n  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: {100 + rank})"
+                     for i, (rank, code) in enumerate(ranks))
+
+
+def test_the_rank_that_raised_is_named_with_its_exceptions_exit_code(tmp_path):
+    """The race CI met (2026-11-24): rank 1 raised and tore down its process group; rank 0's barrier failed on the
+    closed connection and recorded first; torchrun, seeing rank 0, terminated rank 1 mid-teardown (-15)."""
+    errors = tmp_path / worker.ERROR_DIR
+    errors.mkdir()
+    for rank, at, error in ((0, 10.0, "RuntimeError: Read error: Connection reset by peer"),
+                            (1, 10.1, "RuntimeError: deliberate failure on rank 1")):
+        (errors / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "local_rank": rank, "time": at,
+                                                             "error": error, "traceback": ""}))
+    assert launch._first_failure(tmp_path, _summary((0, 1), (1, -15))) == (1, 1, 1)
+    # A rank killed by a signal of its own (the OOM killer's SIGKILL) left no record and is the cause.
+    assert launch._first_failure(tmp_path, _summary((0, 1), (1, -9))) == (1, 1, -9)

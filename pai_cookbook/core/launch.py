@@ -136,6 +136,10 @@ def _first_failure(run_dir: Path, torchrun_output: str) -> tuple[int | None, int
         primary = [r for r in records if not SECONDARY_ERRORS.search(r["error"])] or records
         first = min(primary, key=lambda r: r["time"])
         code = next((f[2] for f in failures if f[0] == first["rank"]), 1)
+        if code == -signal.SIGTERM:
+            # It raised (the record), and torchrun, seeing a peer's secondary error first, terminated it while it
+            # was still tearing down: its exit is its exception's, as when it gets to exit on its own.
+            code = 1
         return first["rank"], first["local_rank"], code
     return failures[-1] if failures else (None, None, None)  # torchrun lists its root cause last
 
