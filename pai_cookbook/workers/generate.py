@@ -124,7 +124,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's entropy (nats) of softmax(logits)."""
-    log_p = logits.float() - torch.logsumexp(logits.float(), -1, keepdim=True)
+    logits = logits.float()
+    log_p = logits - torch.logsumexp(logits, -1, keepdim=True)
     return -(log_p.exp() * log_p).sum(-1)
 
 

@@ -307,7 +307,6 @@ def seeded_passes(count: int, step: int, per_step: int, seed: int) -> list[int]:
     return chosen
 
 
-
 def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | None,
                 **state: Any) -> Path | None:
     """Save a training checkpoint after step `done` when it is the last or a multiple of save_interval

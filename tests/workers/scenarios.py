@@ -79,18 +79,25 @@ def module_types(config: RunConfig, device) -> dict:
             "compilers_imported": [m for m in ("torch._inductor", "torch._inductor.compile_fx") if m in sys.modules]}
 
 
+def _random_packed(config: RunConfig, generator: torch.Generator, lengths: list[int]) -> tuple[list, list, dict]:
+    """Random conversations of `lengths` ids (each fills len - 1 positions) packed into rows of the config's
+    sequence length: (samples, rows, the packed batch with its `document` ids)."""
+    from pai_cookbook import sft
+
+    samples = [sft.Sample(ids=torch.randint(1, config.model.vocab_size, (n,), generator=generator).tolist(),
+                          loss_mask=[True] * n) for n in lengths]
+    rows = sft.pack([n - 1 for n in lengths], config.data.seq_length)
+    return samples, rows, sft.batch(samples, rows, config.data.seq_length, pad_id=0)
+
+
 def packed_logits(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
     from pai_cookbook.workers.train import model_forward, uses_te_attention
 
     generator = torch.Generator().manual_seed(config.seed)
-    lengths = [9, 17, 5, 30, 12, 21, 7, 14]  # ids per conversation; each fills len - 1 positions
-    samples = [sft.Sample(ids=torch.randint(1, config.model.vocab_size, (n,), generator=generator).tolist(),
-                          loss_mask=[True] * n) for n in lengths]
-    seq = config.data.seq_length
-    rows = sft.pack([n - 1 for n in lengths], seq)
-    packed = sft.batch(samples, rows, seq, pad_id=0)
-    padded = sft.batch(samples, [[i] for i in range(len(samples))], seq, pad_id=0)
+    lengths = [9, 17, 5, 30, 12, 21, 7, 14]
+    samples, rows, packed = _random_packed(config, generator, lengths)
+    padded = sft.batch(samples, [[i] for i in range(len(samples))], config.data.seq_length, pad_id=0)
     (gpt,) = build_model(config.model, config.parallel, config.precision, device, config.seed)
     gpt.eval()
 
@@ -114,17 +121,12 @@ def packed_logits(config: RunConfig, device) -> dict:
 def attention(config: RunConfig, device) -> dict:
     import dataclasses
 
-    from pai_cookbook import sft
     from pai_cookbook.workers.train import model_forward
 
     generator = torch.Generator().manual_seed(config.seed)
-    seq, vocab = config.data.seq_length, config.model.vocab_size
-    tokens = torch.randint(0, vocab, (3, seq), generator=generator)
+    tokens = torch.randint(0, config.model.vocab_size, (3, config.data.seq_length), generator=generator)
     causal = {"tokens": tokens, "labels": tokens.roll(-1, 1)}
-    lengths = [9, 17, 5, 30, 12]
-    samples = [sft.Sample(ids=torch.randint(1, vocab, (n,), generator=generator).tolist(), loss_mask=[True] * n)
-               for n in lengths]
-    packed = sft.batch(samples, sft.pack([n - 1 for n in lengths], seq), seq, pad_id=0)
+    _, _, packed = _random_packed(config, generator, [9, 17, 5, 30, 12])
     out = {}
     for backend in ("sdpa", "unfused"):
         model = dataclasses.replace(config.model, attention_backend=backend)
