@@ -17,6 +17,10 @@ import torch
 from pai_cookbook.core.tokenizer import eos_ids
 from pai_cookbook.generate import GenerationConfig
 
+# transformers 5's deprecations of what TRL 1.16 still calls: `gradient_checkpointing` (an argument),
+# `is_gradient_checkpointing`, `gradient_checkpointing_enable`/`_disable` (model methods).
+TRL_RENAMED_API = r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"
+
 
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32,
               device: str = "cpu") -> torch.Tensor:
@@ -136,8 +140,8 @@ def trl_reward_model(hf_dir: str | Path, pairs: Sequence[dict[str, Any]], valid:
                     "rejected": [{"role": "assistant", "content": pair["rejected"]}]}
         return {"prompt": pair["prompt"], "chosen": pair["chosen"], "rejected": pair["rejected"]}
 
-    with warnings.catch_warnings():  # TRL 1.16 sets an argument transformers 5 renamed: nothing to change here
-        warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+    with warnings.catch_warnings():  # TRL 1.16 uses an argument and methods transformers 5 renamed: nothing to change here
+        warnings.filterwarnings("ignore", message=TRL_RENAMED_API, category=FutureWarning)
         config = RewardConfig(
             output_dir=str(out_dir), max_steps=steps, learning_rate=lr, per_device_train_batch_size=batch_size,
             per_device_eval_batch_size=len(valid), warmup_steps=warmup_steps, lr_scheduler_type="cosine_with_min_lr",
@@ -197,8 +201,8 @@ def trl_grpo(hf_dir: str | Path, prompts: Sequence[dict[str, Any]], reward: str,
     reward_func.__name__ = reward.rpartition(":")[2]
     rows = [{"prompt": r["messages"] if "messages" in r else r["prompt"], "record_index": i} for i, r in enumerate(records)]
     rows_per_step = prompts_per_step * group_size
-    with warnings.catch_warnings():  # TRL 1.16 sets an argument transformers 5 renamed: nothing to change here
-        warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+    with warnings.catch_warnings():  # TRL 1.16 uses an argument and methods transformers 5 renamed: nothing to change here
+        warnings.filterwarnings("ignore", message=TRL_RENAMED_API, category=FutureWarning)
         config = GRPOConfig(
             output_dir=str(out_dir), max_steps=steps * epochs, learning_rate=lr, per_device_train_batch_size=rows_per_step,
             gradient_accumulation_steps=1, steps_per_generation=1, num_generations=group_size, num_iterations=epochs,

@@ -22,12 +22,27 @@ def probe(mode: str, folder: Path) -> ProbeJob:
 
 def test_returns_rank0_result_and_progress_events(tmp_path, capsys):
     result = launch.launch(probe("ok", tmp_path), nproc_per_node=2, run_dir=tmp_path)
-    assert result["world_size"] == 2 and result["mode"] == "ok"
+    assert result["world_size"] == 2 and result["mode"] == "ok" and result["under_torchrun"]
     steps = [e["step"] for e in result["events"] if e["event"] == "progress"]
     assert steps == [1, 2, 3]
     assert "ordinary output line" in capsys.readouterr().out
     # every rank's output is kept in a file, rank 1's too (it is not streamed)
     assert len(list((tmp_path / "logs").glob("*/attempt_0/1/stdout.log"))) == 1
+
+
+def test_a_one_process_world_runs_without_torchrun_and_keeps_its_log(tmp_path, capsys):
+    result = launch.launch(probe("ok", tmp_path), run_dir=tmp_path)
+    assert result["world_size"] == 1 and not result["under_torchrun"]
+    assert [e["step"] for e in result["events"] if e["event"] == "progress"] == [1, 2, 3]
+    assert "ordinary output line" in capsys.readouterr().out
+    assert "ordinary output line" in (tmp_path / "logs" / launch.SINGLE_PROCESS_LOG).read_text()
+
+
+def test_a_one_process_crash_raises_with_its_log_tail(tmp_path):
+    with pytest.raises(launch.WorkerError) as err:
+        launch.launch(probe("crash", tmp_path), run_dir=tmp_path, echo=False)
+    assert err.value.rank == 0 and err.value.exitcode == 1
+    assert "rank 0 is about to fail" in err.value.log_tail and "deliberate failure on rank 0" in err.value.log_tail
 
 
 def test_an_event_sharing_its_line_with_other_output_is_still_read():
@@ -67,19 +82,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _launcher_with_hanging_workers(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """A caller process whose launch is running 2 workers that hang; returns it and every pid below it."""
+def _launcher_with_hanging_workers(tmp_path: Path, nproc: int = 2) -> tuple[subprocess.Popen, list[int]]:
+    """A caller process whose launch is running `nproc` workers that hang; returns it and every pid below it."""
     # SIGINT handled as a notebook kernel handles it, even when this test runs in the background (a shell
     # without job control starts background jobs, and so their children, with SIGINT ignored).
     code = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
             f"from pai_cookbook.core import launch; from tests.workers.launch_probe import ProbeJob; "
-            f"launch.launch(ProbeJob(mode='hang', run_dir={str(tmp_path)!r}), nproc_per_node=2, "
+            f"launch.launch(ProbeJob(mode='hang', run_dir={str(tmp_path)!r}), nproc_per_node={nproc}, "
             f"run_dir={str(tmp_path)!r})")
     caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pids = _wait_for_pids(tmp_path, 2)
-    torchrun = [p for p in psutil.Process(caller.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
-    assert torchrun and all(_alive(p) for p in pids)
-    return caller, pids + [torchrun[0].pid]
+    pids = _wait_for_pids(tmp_path, nproc)
+    children = psutil.Process(caller.pid).children()
+    torchrun = [p for p in children if "torch.distributed.run" in " ".join(p.cmdline())]
+    assert bool(torchrun) == (nproc > 1) and all(_alive(p) for p in pids)
+    return caller, pids + [p.pid for p in children]
 
 
 def _assert_none_left(pids: list[int]) -> None:
@@ -150,9 +166,10 @@ def test_cli_runs_the_checks_train_run_does(tmp_path):
     assert out.returncode == 2 and "no_ckpt" in out.stderr, out.stderr
 
 
-def test_sigterm_to_the_launcher_ends_every_worker(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one process, no torchrun", "torchrun"])
+def test_sigterm_to_the_launcher_ends_every_worker(tmp_path, nproc):
     # A scheduler's cancel, `kill` and `timeout` send SIGTERM: the launcher must take its workers along.
-    caller, pids = _launcher_with_hanging_workers(tmp_path)
+    caller, pids = _launcher_with_hanging_workers(tmp_path, nproc)
     caller.send_signal(signal.SIGTERM)
     caller.communicate(timeout=60)
     assert caller.returncode == -signal.SIGTERM  # the signal still ends the process, as it would have

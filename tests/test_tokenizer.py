@@ -24,3 +24,22 @@ def test_fingerprint_and_copy(tmp_path):
     assert tokenizer.fingerprint(tmp_path) is None
     with pytest.raises(FileNotFoundError, match="carries no tokenizer"):
         tokenizer.load(tmp_path)
+
+
+def test_the_byte_level_tokenizer_round_trips_any_text_and_marks_chat_turns_with_one_token_each(tmp_path):
+    from pai_cookbook import sft
+
+    texts = ["Sort: 3 1 2", "héllo, 世界 🙂\n\ttabs  and  spaces"]
+    chat = tokenizer.byte_level(sft.CHATML)
+    chat.save_pretrained(tmp_path / "a")
+    tokenizer.byte_level(sft.CHATML).save_pretrained(tmp_path / "b")
+    assert tokenizer.fingerprint(tmp_path / "a") == tokenizer.fingerprint(tmp_path / "b")  # built, not trained
+    loaded = tokenizer.load(tmp_path / "a")
+    assert len(loaded) == 259 and loaded.eos_token == "<|im_end|>" and loaded.bos_token == "<|im_start|>"
+    for text in texts:
+        ids = loaded(text).input_ids
+        assert len(ids) == len(text.encode()) and loaded.decode(ids) == text  # a token per byte, lossless
+    rendered = loaded.apply_chat_template([{"role": "user", "content": texts[0]}], tokenize=False,
+                                          add_generation_prompt=True)
+    ids = loaded(rendered, add_special_tokens=False).input_ids
+    assert ids.count(loaded.bos_token_id) == 2 and ids.count(loaded.eos_token_id) == 1  # two turns opened, one closed

@@ -3,7 +3,9 @@
 `launch(config, nproc_per_node=2)` (any `worker.Job`: a RunConfig, a ConvertJob, ...):
 - checks the job against the world size and the device (`job.check`) before any process starts;
 - writes it to run_dir/job.json and runs `python -m job.WORKER job.json` under torchrun, built as an
-  argv list (never a shell string): a free local port on one machine, the scheduler's
+  argv list (never a shell string); a world of one process on one machine runs the worker directly with
+  the variables torchrun would give it (torchrun's own start, a second Python importing torch, is ~1.8 s
+  and ~1.8 CPU-seconds of every single-process launch); a free local port on one machine, the scheduler's
   MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK on a multi-node job (`runtime.detect_launch_env`) for jobs
   that span nodes (training); a job of a fixed small world (conversion, parity, generation) runs on
   node 0 alone and the other nodes get its result (`core.nodes`);
@@ -87,6 +89,23 @@ def torchrun_argv(module: str, args: Sequence[str], nproc_per_node: int, env: ru
     ]
 
 
+def single_process_argv(module: str, args: Sequence[str]) -> list[str]:
+    """The worker's own command line, for a world of one process (no torchrun)."""
+    return [sys.executable, *(["-m", module] if not module.endswith(".py") else [module]), *args]
+
+
+def single_process_env(env: runtime.LaunchEnv) -> dict[str, str]:
+    """What torchrun sets for the only worker of a one-process world (Megatron-Core and the worker read these);
+    the scheduler's node-level WORLD_SIZE and RANK, if any, are overridden."""
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+            "MASTER_ADDR": env.master_addr, "MASTER_PORT": str(env.master_port)}
+
+
+SINGLE_PROCESS_LOG = Path("single_process", "attempt_0", "0", "output.log")
+"""Where a one-process launch keeps its worker's output (stdout and stderr as they came), under log_dir: torchrun's
+<run id>/attempt_<n>/<local rank>/ layout, so a failure's log tail is found the same way."""
+
+
 def _threads_per_worker(nproc_per_node: int) -> int:
     # 2 cores / 2 workers = 1 thread each: oversubscribed BLAS threads make CPU runs several times slower.
     return max(1, (os.cpu_count() or 1) // nproc_per_node)
@@ -153,12 +172,13 @@ def _read_record(path: Path) -> dict[str, Any] | None:
 
 
 def _rank_log_tail(log_dir: Path, local_rank: int | None, lines: int = LOG_TAIL_LINES) -> str:
-    """Tail of one local rank's stderr+stdout as torchrun saved them (newest attempt)."""
+    """Tail of one local rank's stderr+stdout as torchrun saved them (newest attempt), or of the output a
+    one-process launch saved."""
     candidates = sorted(log_dir.glob(f"*/attempt_*/{local_rank if local_rank is not None else '*'}"),
                         key=lambda p: p.stat().st_mtime)
     chunks = []
     for folder in candidates[-1:]:
-        for name in ("stderr.log", "stdout.log"):
+        for name in ("stderr.log", "stdout.log", SINGLE_PROCESS_LOG.name):
             path = folder / name
             if path.exists() and path.stat().st_size:
                 chunks.append(f"[{name}]\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
@@ -243,7 +263,7 @@ class Terminated(BaseException):
 def launch(job: worker.Job, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/latest",
            timeout_s: float | None = None, show_progress: bool = True, echo: bool = True,
            env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run `job` under torchrun and return rank 0's result.
+    """Run `job` under torchrun (a one-process world without it) and return rank 0's result.
 
     Args:
         job: the worker's job (`worker.Job`); checked against the world size and device, then written
@@ -300,9 +320,15 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
     for stale in (run_dir / worker.ERROR_DIR).glob("rank*.json"):
         stale.unlink()
     job_file = job.save(run_dir / worker.JOB_FILE)
-    argv = torchrun_argv(job.WORKER, [str(job_file)], nproc_per_node, launch_env, log_dir)
-
+    single = launch_env.nnodes == 1 and nproc_per_node == 1
     child_env = {**os.environ, **(env or {}), worker.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1"}
+    if single:
+        argv = single_process_argv(job.WORKER, [str(job_file)])
+        child_env.update(single_process_env(launch_env))
+        single_log = log_dir / SINGLE_PROCESS_LOG
+        single_log.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        argv = torchrun_argv(job.WORKER, [str(job_file)], nproc_per_node, launch_env, log_dir)
     child_env.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc_per_node)))
     # The workers' own tqdm bars (Megatron-Core's static engine draws one per generate call: a line per GRPO
     # step) would stream into the notebook as text; rank 0's progress events drive the launcher's bar instead.
@@ -315,8 +341,12 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
         child_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     progress = _Progress(desc=job.WORKER.rsplit(".", 1)[-1], enabled=show_progress)
     output: list[str] = []
+    log = single_log.open("w", encoding="utf-8", errors="replace") if single else None  # torchrun keeps its own
 
     def on_line(line: str) -> None:
+        if log is not None:
+            log.write(line + "\n")
+            log.flush()  # a crash's tail is read from the file
         event, line = split_event(line)
         if event is not None:
             progress.update(event)
@@ -346,9 +376,11 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
             if reader.ident is not None:  # started
                 reader.join(timeout=TERMINATE_GRACE_S)
             progress.close()
+            if log is not None:
+                log.close()
 
     if proc.returncode != 0:
-        rank, local_rank, code = _first_failure(run_dir, "\n".join(output))
+        rank, local_rank, code = (0, 0, proc.returncode) if single else _first_failure(run_dir, "\n".join(output))
         raise WorkerError(rank, code if code is not None else proc.returncode,
                           _rank_log_tail(log_dir, local_rank), log_dir)
     result_file = run_dir / worker.RESULT_FILE

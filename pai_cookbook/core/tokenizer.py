@@ -147,3 +147,33 @@ def tiny():
     from tokenizers import Tokenizer
 
     return _fast(Tokenizer.from_file(str(TINY_TOKENIZER)))
+
+
+CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+"""SmolLM2's (and Qwen's) ChatML special tokens, with their roles: unknown/padding-free end of text, BOS, EOS."""
+
+
+def byte_level(chat_template: str | None = None):
+    """A byte-level tokenizer with no merges: ChatML's three special tokens, then one token per byte (259).
+
+    For tasks whose text is a few characters (notebook 08's digit sorting): every string encodes, the
+    same way on every machine (built in code, nothing trained), and a tiny model's output layer is
+    259 rows instead of a real tokenizer's tens of thousands (49,152 rows x 64 = 99% of a 2-layer,
+    64-wide Llama's weights and compute). Specials as SmolLM2-Instruct's: BOS <|im_start|>, EOS and
+    padding <|im_end|>, unknown <|endoftext|>.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(CHAT_SPECIAL_TOKENS + alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(CHAT_SPECIAL_TOKENS)
+    unknown, start, end = CHAT_SPECIAL_TOKENS
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unknown, bos_token=start, eos_token=end,
+                                   pad_token=end)
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    return fast

@@ -2,7 +2,7 @@
 
 Job: ProbeJob(mode, run_dir)
   ok     every rank joins a gloo group; rank 0 reports 3 progress steps and returns a result
-  crash  rank 1 raises; rank 0 waits in a barrier it never leaves
+  crash  the last rank raises (rank 1 of 2, rank 0 of 1); rank 0 of 2 waits in a barrier it never leaves
   hang   every rank writes its pid to RUN_DIR/pid.RANK and sleeps until killed
   enospc rank 1 hits a full disk: its error record cannot be written (it is /dev/full) and it raises
          the OS error, as a checkpoint write on a full disk does
@@ -44,14 +44,15 @@ def main(job: ProbeJob) -> dict | None:
             (records / "rank1.json").symlink_to("/dev/full")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{run_dir}/iter_0000010.partial/__1_0.distcp")
         if mode == "crash":
-            if rank == 1:
-                print("rank 1 is about to fail", flush=True)
-                raise RuntimeError("deliberate failure on rank 1")
+            if rank == dist.get_world_size() - 1:
+                print(f"rank {rank} is about to fail", flush=True)
+                raise RuntimeError(f"deliberate failure on rank {rank}")
             dist.barrier()
         for step in range(1, 4):
             worker.progress(step, 3, loss=1.0 / step)
         print("ordinary output line", flush=True)
-        return {"world_size": dist.get_world_size(), "mode": mode}
+        # torchrun names its run in every worker's environment
+        return {"world_size": dist.get_world_size(), "mode": mode, "under_torchrun": "TORCHELASTIC_RUN_ID" in os.environ}
     finally:
         dist.destroy_process_group()
 
