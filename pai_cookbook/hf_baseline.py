@@ -7,8 +7,9 @@ sampled generation (`generate`), `hf_complete` the quick look at an exported mod
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,25 @@ from pai_cookbook.generate import GenerationConfig
 # transformers 5's deprecations of what TRL 1.16 still calls: `gradient_checkpointing` (an argument),
 # `is_gradient_checkpointing`, `gradient_checkpointing_enable`/`_disable` (model methods).
 TRL_RENAMED_API = r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"
+
+
+@contextlib.contextmanager
+def _quiet_trl() -> Iterator[None]:
+    """While a TRL trainer is built and runs: transformers 5's deprecations of what TRL 1.16 calls (nothing to
+    change here) are ignored, and `datasets` draws no text bar per tokenizing pass (nothing to watch at this size)."""
+    import warnings
+
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=TRL_RENAMED_API, category=FutureWarning)
+            yield
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -127,9 +147,6 @@ def trl_reward_model(hf_dir: str | Path, pairs: Sequence[dict[str, Any]], valid:
     Returns:
         {"accuracy": held-out pairwise accuracy, "losses": per logged step, "seconds"}.
     """
-    import warnings
-
-    import datasets
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
     from trl import RewardConfig, RewardTrainer
@@ -140,17 +157,13 @@ def trl_reward_model(hf_dir: str | Path, pairs: Sequence[dict[str, Any]], valid:
                     "rejected": [{"role": "assistant", "content": pair["rejected"]}]}
         return {"prompt": pair["prompt"], "chosen": pair["chosen"], "rejected": pair["rejected"]}
 
-    with warnings.catch_warnings():  # TRL 1.16 uses an argument and methods transformers 5 renamed: nothing to change here
-        warnings.filterwarnings("ignore", message=TRL_RENAMED_API, category=FutureWarning)
+    with _quiet_trl():
         config = RewardConfig(
             output_dir=str(out_dir), max_steps=steps, learning_rate=lr, per_device_train_batch_size=batch_size,
             per_device_eval_batch_size=len(valid), warmup_steps=warmup_steps, lr_scheduler_type="cosine_with_min_lr",
             lr_scheduler_kwargs={"min_lr_rate": 0.1}, adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0,
             seed=seed, data_seed=seed, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
             disable_tqdm=True, dataloader_drop_last=True)
-    shown = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # a text bar per tokenizing pass; nothing to watch at this size
-    try:
         trainer = RewardTrainer(model=str(hf_dir), args=config,
                                 train_dataset=Dataset.from_list([record(p) for p in pairs]),
                                 eval_dataset=Dataset.from_list([record(p) for p in valid]))
@@ -159,9 +172,6 @@ def trl_reward_model(hf_dir: str | Path, pairs: Sequence[dict[str, Any]], valid:
         trainer.train()
         seconds = time.perf_counter() - start
         metrics = trainer.evaluate()
-    finally:
-        if shown:
-            datasets.enable_progress_bars()
     return {"accuracy": metrics["eval_accuracy"], "seconds": seconds,
             "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}
 
@@ -182,9 +192,6 @@ def trl_grpo(hf_dir: str | Path, prompts: Sequence[dict[str, Any]], reward: str,
     Returns:
         {"rewards": the mean reward of each step's completions, "kl": per step, "seconds"}.
     """
-    import warnings
-
-    import datasets
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -201,8 +208,7 @@ def trl_grpo(hf_dir: str | Path, prompts: Sequence[dict[str, Any]], reward: str,
     reward_func.__name__ = reward.rpartition(":")[2]
     rows = [{"prompt": r["messages"] if "messages" in r else r["prompt"], "record_index": i} for i, r in enumerate(records)]
     rows_per_step = prompts_per_step * group_size
-    with warnings.catch_warnings():  # TRL 1.16 uses an argument and methods transformers 5 renamed: nothing to change here
-        warnings.filterwarnings("ignore", message=TRL_RENAMED_API, category=FutureWarning)
+    with _quiet_trl():
         config = GRPOConfig(
             output_dir=str(out_dir), max_steps=steps * epochs, learning_rate=lr, per_device_train_batch_size=rows_per_step,
             gradient_accumulation_steps=1, steps_per_generation=1, num_generations=group_size, num_iterations=epochs,
@@ -210,18 +216,12 @@ def trl_grpo(hf_dir: str | Path, prompts: Sequence[dict[str, Any]], reward: str,
             loss_type="dapo", scale_rewards="group", warmup_steps=warmup_steps,
             lr_scheduler_type="constant_with_warmup", adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0, seed=seed,
             data_seed=seed, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True)
-    shown = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
         trainer = GRPOTrainer(model=str(hf_dir), reward_funcs=reward_func, args=config,
                               train_dataset=Dataset.from_list(rows))
         trainer.remove_callback(PrinterCallback)
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
-    finally:
-        if shown:
-            datasets.enable_progress_bars()
     # TRL logs the batch's reward on the optimizer step that sampled it (the first of its `epochs`)
     per_batch = [entry for entry in trainer.state.log_history if "reward" in entry]
     return {"rewards": [entry["reward"] for entry in per_batch], "kl": [entry.get("kl") for entry in per_batch],

@@ -30,8 +30,12 @@ def test_returns_rank0_result_and_progress_events(tmp_path, capsys):
     assert len(list((tmp_path / "logs").glob("*/attempt_0/1/stdout.log"))) == 1
 
 
-def test_a_one_process_world_runs_without_torchrun_and_keeps_its_log(tmp_path, capsys):
-    result = launch.launch(probe("ok", tmp_path), run_dir=tmp_path)
+def test_a_one_process_world_runs_without_torchrun_and_keeps_its_log(tmp_path, capsys, monkeypatch):
+    # Launched from inside a torchrun worker: the outer torchrun's variables must not reach this one's worker
+    # (with TORCHELASTIC_USE_AGENT_STORE it would wait for a rendezvous store nobody serves, and time out).
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
+    result = launch.launch(probe("ok", tmp_path), run_dir=tmp_path, timeout_s=120)
     assert result["world_size"] == 1 and not result["under_torchrun"]
     assert [e["step"] for e in result["events"] if e["event"] == "progress"] == [1, 2, 3]
     assert "ordinary output line" in capsys.readouterr().out
@@ -202,3 +206,13 @@ def test_the_rank_that_raised_is_named_with_its_exceptions_exit_code(tmp_path):
     assert launch._first_failure(tmp_path, _summary((0, 1), (1, -15))) == (1, 1, 1)
     # A rank killed by a signal of its own (the OOM killer's SIGKILL) left no record and is the cause.
     assert launch._first_failure(tmp_path, _summary((0, 1), (1, -9))) == (1, 1, -9)
+    # The race CI met next (2026-11-24, the full-disk test): rank 1 could not write its record, and rank 0's
+    # init_process_group failed on the closed connection and recorded that; torchrun's error files (one per
+    # local rank, both stamped the same second, so its root cause could be either) still hold rank 1's OSError.
+    (errors / "rank1.json").unlink()
+    for rank, message in ((0, "RuntimeError: Gloo connectFullMesh failed with ... Connection closed by peer"),
+                          (1, "OSError: [Errno 28] No space left on device")):
+        folder = tmp_path / "logs" / "none_x" / "attempt_0" / str(rank)
+        folder.mkdir(parents=True)
+        (folder / "error.json").write_text(json.dumps({"message": {"message": message}}))
+    assert launch._first_failure(tmp_path, _summary((1, 1), (0, 1))) == (1, 1, 1)

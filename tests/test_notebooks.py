@@ -197,7 +197,7 @@ def test_every_notebook_has_checks():
 
 
 @pytest.mark.notebook
-# A notebook is a whole recipe (notebook 08: a reward model, two PPO and two GRPO runs, ~13 minutes alone), not
+# A notebook is a whole recipe (notebook 02: tokenizers, grown models, four training runs, ~5 minutes alone), not
 # a hung test: it gets 40 minutes instead of ci/test.sh's 10 (the other tiers share the cores meanwhile).
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("notebook", notebooks(), ids=lambda p: p.stem)

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -94,11 +95,16 @@ def single_process_argv(module: str, args: Sequence[str]) -> list[str]:
     return [sys.executable, *(["-m", module] if not module.endswith(".py") else [module]), *args]
 
 
-def single_process_env(env: runtime.LaunchEnv) -> dict[str, str]:
-    """What torchrun sets for the only worker of a one-process world (Megatron-Core and the worker read these);
-    the scheduler's node-level WORLD_SIZE and RANK, if any, are overridden."""
-    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-            "MASTER_ADDR": env.master_addr, "MASTER_PORT": str(env.master_port)}
+def single_process_env(environ: dict[str, str], env: runtime.LaunchEnv) -> dict[str, str]:
+    """`environ` as torchrun would give it to the only worker of a one-process world: the scheduler's node-level
+    WORLD_SIZE and RANK, if any, overridden; an outer torchrun's own variables (a launch from inside a worker)
+    dropped: with TORCHELASTIC_USE_AGENT_STORE the worker would wait for a rendezvous store nobody serves."""
+    inherited = {k: v for k, v in environ.items() if not k.startswith(_TORCHRUN_OWN)}
+    return inherited | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+                        "MASTER_ADDR": env.master_addr, "MASTER_PORT": str(env.master_port)}
+
+
+_TORCHRUN_OWN = ("TORCHELASTIC_", "ROLE_", "GROUP_WORLD_SIZE")
 
 
 SINGLE_PROCESS_LOG = Path("single_process", "attempt_0", "0", "output.log")
@@ -151,16 +157,32 @@ def _first_failure(run_dir: Path, torchrun_output: str) -> tuple[int | None, int
         if failure[2] < 0 and failure[2] != -signal.SIGTERM:
             return failure
     records = [r for r in map(_read_record, (run_dir / worker.ERROR_DIR).glob("rank*.json")) if r]
+    primary = [r for r in records if not SECONDARY_ERRORS.search(r["error"])]
+    if not primary:
+        # Only lost-peer errors were recorded: the rank that broke the run could not write its record (a full
+        # disk); torchrun's own error file of each failed rank may still hold its exception.
+        for rank, local_rank, code in failures:
+            message = _torchrun_error(run_dir / "logs", local_rank)
+            if message and not SECONDARY_ERRORS.search(message):
+                return rank, local_rank, code
     if records:
-        primary = [r for r in records if not SECONDARY_ERRORS.search(r["error"])] or records
-        first = min(primary, key=lambda r: r["time"])
+        first = min(primary or records, key=lambda r: r["time"])
         code = next((f[2] for f in failures if f[0] == first["rank"]), 1)
         if code == -signal.SIGTERM:
             # It raised (the record), and torchrun, seeing a peer's secondary error first, terminated it while it
             # was still tearing down: its exit is its exception's, as when it gets to exit on its own.
             code = 1
         return first["rank"], first["local_rank"], code
-    return failures[-1] if failures else (None, None, None)  # torchrun lists its root cause last
+    return failures[-1] if failures else (None, None, None)
+
+
+def _torchrun_error(log_dir: Path, local_rank: int) -> str | None:
+    """The exception message torchrun's error file (the worker's `@record`) holds for a local rank, newest run."""
+    files = sorted(log_dir.glob(f"*/attempt_*/{local_rank}/error.json"), key=lambda p: p.stat().st_mtime)
+    try:
+        return json.loads(files[-1].read_text())["message"]["message"] if files else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
@@ -172,17 +194,17 @@ def _read_record(path: Path) -> dict[str, Any] | None:
 
 
 def _rank_log_tail(log_dir: Path, local_rank: int | None, lines: int = LOG_TAIL_LINES) -> str:
-    """Tail of one local rank's stderr+stdout as torchrun saved them (newest attempt), or of the output a
-    one-process launch saved."""
+    """Tail of one local rank's stderr+stdout as torchrun saved them (newest attempt)."""
     candidates = sorted(log_dir.glob(f"*/attempt_*/{local_rank if local_rank is not None else '*'}"),
                         key=lambda p: p.stat().st_mtime)
-    chunks = []
-    for folder in candidates[-1:]:
-        for name in ("stderr.log", "stdout.log", SINGLE_PROCESS_LOG.name):
-            path = folder / name
-            if path.exists() and path.stat().st_size:
-                chunks.append(f"[{name}]\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
-    return "\n".join(chunks) or "(the rank wrote no log)"
+    chunks = [_tail(folder / name, lines) for folder in candidates[-1:] for name in ("stderr.log", "stdout.log")]
+    return "\n".join(filter(None, chunks)) or "(the rank wrote no log)"
+
+
+def _tail(path: Path, lines: int) -> str:
+    if not path.exists() or not path.stat().st_size:
+        return ""
+    return f"[{path.name}]\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 class _Progress:
@@ -222,9 +244,33 @@ def split_event(line: str) -> tuple[dict[str, Any] | None, str]:
     return event, line[end:].strip()
 
 
-def _stream(proc: subprocess.Popen, on_line: Callable[[str], None]) -> None:
-    for raw in proc.stdout:
-        on_line(_RANK_PREFIX.sub("", raw.rstrip("\n")))
+def _stream(proc: subprocess.Popen, on_line: Callable[[str], None], log_path: Path | None = None) -> None:
+    """Read the workers' merged output to its end; with `log_path` (a one-process launch, which torchrun does not
+    log) keep every line there as well, as long as the disk takes it: the pipe is drained either way, or a
+    worker that goes on printing would block on a full pipe."""
+    log = None
+    try:
+        if log_path is not None:
+            with contextlib.suppress(OSError):
+                log = log_path.open("w", encoding="utf-8", errors="replace")
+        for raw in proc.stdout:
+            line = _RANK_PREFIX.sub("", raw.rstrip("\n"))
+            if log is not None:
+                try:
+                    log.write(line + "\n")
+                    log.flush()  # a crash's tail is read from the file
+                except OSError:  # a full disk: stop keeping the log, go on reading
+                    _close_quietly(log)
+                    log = None
+            on_line(line)
+    finally:
+        _close_quietly(log)
+
+
+def _close_quietly(log) -> None:
+    if log is not None:
+        with contextlib.suppress(OSError):
+            log.close()
 
 
 class _Signals:
@@ -322,10 +368,10 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
     job_file = job.save(run_dir / worker.JOB_FILE)
     single = launch_env.nnodes == 1 and nproc_per_node == 1
     child_env = {**os.environ, **(env or {}), worker.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1"}
+    single_log = log_dir / SINGLE_PROCESS_LOG if single else None  # torchrun keeps its workers' logs itself
     if single:
         argv = single_process_argv(job.WORKER, [str(job_file)])
-        child_env.update(single_process_env(launch_env))
-        single_log = log_dir / SINGLE_PROCESS_LOG
+        child_env = single_process_env(child_env, launch_env)
         single_log.parent.mkdir(parents=True, exist_ok=True)
     else:
         argv = torchrun_argv(job.WORKER, [str(job_file)], nproc_per_node, launch_env, log_dir)
@@ -341,12 +387,8 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
         child_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     progress = _Progress(desc=job.WORKER.rsplit(".", 1)[-1], enabled=show_progress)
     output: list[str] = []
-    log = single_log.open("w", encoding="utf-8", errors="replace") if single else None  # torchrun keeps its own
 
     def on_line(line: str) -> None:
-        if log is not None:
-            log.write(line + "\n")
-            log.flush()  # a crash's tail is read from the file
         event, line = split_event(line)
         if event is not None:
             progress.update(event)
@@ -359,7 +401,7 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
     with _Signals():
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
                                 start_new_session=True)  # own process group: a notebook interrupt reaches us only
-        reader = threading.Thread(target=_stream, args=(proc, on_line), daemon=True)
+        reader = threading.Thread(target=_stream, args=(proc, on_line, single_log), daemon=True)
         started = time.monotonic()
         try:
             reader.start()  # inside the try: an interrupt from here on ends the workers too
@@ -369,6 +411,9 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
                     raise TimeoutError(f"{job.WORKER} ran past timeout_s={timeout_s}; all workers were terminated. "
                                        f"Logs in {log_dir}")
                 time.sleep(0.1)
+            if single:  # what the worker started goes with it, as torchrun ends each worker's process group
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGTERM)
         except BaseException:
             _terminate(proc)
             raise
@@ -376,11 +421,12 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
             if reader.ident is not None:  # started
                 reader.join(timeout=TERMINATE_GRACE_S)
             progress.close()
-            if log is not None:
-                log.close()
 
     if proc.returncode != 0:
-        rank, local_rank, code = (0, 0, proc.returncode) if single else _first_failure(run_dir, "\n".join(output))
+        if single:
+            raise WorkerError(0, proc.returncode, _tail(single_log, LOG_TAIL_LINES) or "(the rank wrote no log)",
+                              log_dir)
+        rank, local_rank, code = _first_failure(run_dir, "\n".join(output))
         raise WorkerError(rank, code if code is not None else proc.returncode,
                           _rank_log_tail(log_dir, local_rank), log_dir)
     result_file = run_dir / worker.RESULT_FILE
