@@ -1,12 +1,15 @@
 """Benchmark checkpoint conversion: time and peak memory in both directions, next to a plain `cp`.
 
-    python scripts/benchmark_convert.py [--workdir /tmp/convert-bench] [--shard-size 200MB]
+    python scripts/benchmark_convert.py [--workdir /tmp/convert-bench] [--shard-size 200MB] [--layers 8 16]
 
 Builds Llama-style Hugging Face checkpoints (bf16, width 2048, vocab 32000) of 8 and 16 layers
-(~0.9 and ~1.6 GiB) in 200 MB shards, then prints, per size and direction: seconds, seconds of
-`cp -r` of the same files, their ratio, and the conversion worker's peak RSS next to its RSS right
-after importing torch and Megatron-Core and the largest shard. Two sizes show whether memory grows
-with the model (it should not: conversion streams one parameter at a time).
+(~0.9 and ~1.6 GiB) in 200 MB shards, then prints, per size and direction: the whole call's seconds (as a
+notebook cell sees them: the worker's start included), seconds inside the worker, seconds of `cp -r` of the
+same files, and the worker's peak RSS next to its RSS right after importing torch and Megatron-Core and the
+largest shard. From the two sizes: the marginal throughput (the extra bytes over the extra seconds) and the
+fixed seconds (what a call of zero bytes would take), for the conversion and for `cp`; the last line is the
+ratio of marginal throughputs, conversion / `cp`, per direction. Memory should not grow with the model
+(conversion streams one parameter at a time).
 Not a test: figures depend on the disk and the page cache (the files were just written, so both the
 conversion and `cp` read them from cache).
 """
@@ -40,15 +43,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/convert-bench"))
     parser.add_argument("--shard-size", default="200MB")
-    parser.add_argument("--layers", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--layers", type=int, nargs=2, default=[8, 16], help="two model sizes, in layers")
     opts = parser.parse_args()
-    print(f"{'model':26s} {'direction':16s} {'seconds':>8s} {'cp s':>6s} {'ratio':>6s} {'peak RSS MB':>12s} "
+    print(f"{'model':26s} {'direction':16s} {'call s':>7s} {'worker s':>8s} {'cp s':>6s} {'peak RSS MB':>12s} "
           f"{'RSS after imports':>18s} {'largest shard MB':>17s}")
-    for layers in opts.layers:
-        bench_one(opts.workdir / f"layers{layers}", layers, opts.shard_size)
+    small, large = (bench_one(opts.workdir / f"layers{n}", n, opts.shard_size) for n in opts.layers)
+    ratios = []
+    for direction in small:
+        (b1, t1, cp1), (b2, t2, cp2) = small[direction], large[direction]
+        mb_s, cp_mb_s = (b2 - b1) / (t2 - t1) / 2**20, (b2 - b1) / (cp2 - cp1) / 2**20
+        fixed, cp_fixed = t1 - (b1 / 2**20) / mb_s, cp1 - (b1 / 2**20) / cp_mb_s
+        print(f"{direction:16s} marginal {mb_s:6.0f} MB/s (cp {cp_mb_s:5.0f}), fixed {fixed:5.2f} s (cp {cp_fixed:5.2f})")
+        ratios.append(f"{direction} {mb_s / cp_mb_s:.2f}x")
+    print("marginal throughput, conversion / cp: " + ", ".join(ratios))
 
 
-def bench_one(work: Path, layers: int, shard_size: str) -> None:
+def bench_one(work: Path, layers: int, shard_size: str) -> dict[str, tuple[int, float, float]]:
+    """(bytes read, seconds of the whole call, seconds of cp) per direction, after printing its rows."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from pai_cookbook import convert
@@ -65,20 +76,25 @@ def bench_one(work: Path, layers: int, shard_size: str) -> None:
     largest_mb = source.largest_shard_bytes / 2**20
     label = f"{params / 1e6:.0f}M, {folder_bytes(hf) / 2**30:.2f} GiB, {len(list(hf.glob('*.safetensors')))} shards"
 
-    rows = []
+    rows, sizes = {}, {}
     cp_hf = timed_cp(hf, work / "cp_hf")
+    start = time.perf_counter()
     to_mcore = convert.hf_to_megatron(hf, work / "mcore", run_dir=work / "logs1")
-    rows.append(("HF -> Megatron", to_mcore, cp_hf))
+    rows["HF -> Megatron"] = (to_mcore, time.perf_counter() - start, cp_hf)
+    sizes["HF -> Megatron"] = folder_bytes(hf)
     cp_mcore = timed_cp(work / "mcore", work / "cp_mcore")
+    start = time.perf_counter()
     to_hf = convert.megatron_to_hf(work / "mcore", work / "hf_back", max_shard_bytes=source.largest_shard_bytes,
                                    run_dir=work / "logs2")
-    rows.append(("Megatron -> HF", to_hf, cp_mcore))
-    for name, result, cp_s in rows:
-        print(f"{label:26s} {name:16s} {result['seconds']:8.2f} {cp_s:6.2f} {result['seconds'] / cp_s:6.1f} "
-              f"{result['peak_rss_mb']:12.0f} {result['rss_before_mb']:18.0f} {largest_mb:17.0f}")
+    rows["Megatron -> HF"] = (to_hf, time.perf_counter() - start, cp_mcore)
+    sizes["Megatron -> HF"] = folder_bytes(work / "mcore")
+    for name, (result, call_s, cp_s) in rows.items():
+        print(f"{label:26s} {name:16s} {call_s:7.2f} {result['seconds']:8.2f} {cp_s:6.2f} {result['peak_rss_mb']:12.0f} "
+              f"{result['rss_before_mb']:18.0f} {largest_mb:17.0f}")
     identical = convert.compare_hf_checkpoints(hf, work / "hf_back")["bitwise_identical"]
     print(f"{label:26s} round trip bitwise identical: {identical}")
     shutil.rmtree(work)
+    return {name: (sizes[name], call_s, cp_s) for name, (_, call_s, cp_s) in rows.items()}
 
 
 if __name__ == "__main__":
