@@ -79,7 +79,7 @@ def bench_one(work: Path, layers: int, shard_size: str) -> dict[str, tuple[int, 
     rows, sizes = {}, {}
     cp_hf = timed_cp(hf, work / "cp_hf")
     start = time.perf_counter()
-    to_mcore = convert.hf_to_megatron(hf, work / "mcore", run_dir=work / "logs1")
+    to_mcore = convert.hf_to_megatron(hf, work / "mcore", require_tokenizer=False, run_dir=work / "logs1")
     rows["HF -> Megatron"] = (to_mcore, time.perf_counter() - start, cp_hf)
     sizes["HF -> Megatron"] = folder_bytes(hf)
     cp_mcore = timed_cp(work / "mcore", work / "cp_mcore")
