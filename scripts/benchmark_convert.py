@@ -3,13 +3,13 @@
     python scripts/benchmark_convert.py [--workdir /tmp/convert-bench] [--shard-size 200MB] [--layers 8 16]
 
 Builds Llama-style Hugging Face checkpoints (bf16, width 2048, vocab 32000) of 8 and 16 layers
-(~0.9 and ~1.6 GiB) in 200 MB shards, then prints, per size and direction: the whole call's seconds (as a
-notebook cell sees them: the worker's start included), seconds inside the worker, seconds of `cp -r` of the
-same files, and the worker's peak RSS next to its RSS right after importing torch and Megatron-Core and the
-largest shard. From the two sizes: the marginal throughput (the extra bytes over the extra seconds) and the
-fixed seconds (what a call of zero bytes would take), for the conversion and for `cp`; the last line is the
-ratio of marginal throughputs, conversion / `cp`, per direction. Memory should not grow with the model
-(conversion streams one parameter at a time).
+(~0.9 and ~1.6 GiB) in 200 MB shards, then prints, per size and direction: the whole call's seconds (as
+a notebook cell sees them: the worker's start included; median of --runs), seconds inside the worker (last
+run), seconds of `cp -r` of the same files (median), and the worker's peak RSS next to its RSS right after
+importing torch and Megatron-Core and the largest shard. From the two sizes: the marginal throughput (the
+extra bytes over the extra seconds) and the fixed seconds (what a call of zero bytes would take), for the
+conversion and for `cp`; the last line is the ratio of marginal throughputs, conversion / `cp`, per
+direction. Memory should not grow with the model (conversion streams one parameter at a time).
 Not a test: figures depend on the disk and the page cache (the files were just written, so both the
 conversion and `cp` read them from cache).
 """
@@ -17,10 +17,14 @@ conversion and `cp` read them from cache).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,11 +36,22 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def timed_cp(src: Path, dst: Path) -> float:
-    shutil.rmtree(dst, ignore_errors=True)
-    start = time.perf_counter()
+def timed(run: Callable[[], Any], output: Path, runs: int) -> tuple[float, Any]:
+    """Median seconds of `runs` calls writing `output`, and the last call's result. Before each call, outside the
+    timing, the previous call's output is deleted and dirty pages are written back (`sync`): without that, `cp` of
+    the same 1.6 GiB took 0.5 s or 4.5 s."""
+    seconds, result = [], None
+    for _ in range(runs):
+        shutil.rmtree(output, ignore_errors=True)
+        os.sync()
+        start = time.perf_counter()
+        result = run()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds), result
+
+
+def cp(src: Path, dst: Path) -> None:
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -44,10 +59,11 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/convert-bench"))
     parser.add_argument("--shard-size", default="200MB")
     parser.add_argument("--layers", type=int, nargs=2, default=[8, 16], help="two model sizes, in layers")
+    parser.add_argument("--runs", type=int, default=3, help="timings per figure (their median is printed)")
     opts = parser.parse_args()
     print(f"{'model':26s} {'direction':16s} {'call s':>7s} {'worker s':>8s} {'cp s':>6s} {'peak RSS MB':>12s} "
           f"{'RSS after imports':>18s} {'largest shard MB':>17s}")
-    small, large = (bench_one(opts.workdir / f"layers{n}", n, opts.shard_size) for n in opts.layers)
+    small, large = (bench_one(opts.workdir / f"layers{n}", n, opts.shard_size, opts.runs) for n in opts.layers)
     ratios = []
     for direction in small:
         (b1, t1, cp1), (b2, t2, cp2) = small[direction], large[direction]
@@ -58,7 +74,7 @@ def main() -> None:
     print("marginal throughput, conversion / cp: " + ", ".join(ratios))
 
 
-def bench_one(work: Path, layers: int, shard_size: str) -> dict[str, tuple[int, float, float]]:
+def bench_one(work: Path, layers: int, shard_size: str, runs: int) -> dict[str, tuple[int, float, float]]:
     """(bytes read, seconds of the whole call, seconds of cp) per direction, after printing its rows."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -77,16 +93,16 @@ def bench_one(work: Path, layers: int, shard_size: str) -> dict[str, tuple[int, 
     label = f"{params / 1e6:.0f}M, {folder_bytes(hf) / 2**30:.2f} GiB, {len(list(hf.glob('*.safetensors')))} shards"
 
     rows, sizes = {}, {}
-    cp_hf = timed_cp(hf, work / "cp_hf")
-    start = time.perf_counter()
-    to_mcore = convert.hf_to_megatron(hf, work / "mcore", require_tokenizer=False, run_dir=work / "logs1")
-    rows["HF -> Megatron"] = (to_mcore, time.perf_counter() - start, cp_hf)
+    cp_hf, _ = timed(lambda: cp(hf, work / "cp_hf"), work / "cp_hf", runs)
+    call_s, to_mcore = timed(lambda: convert.hf_to_megatron(hf, work / "mcore", require_tokenizer=False,
+                                                            run_dir=work / "logs1"), work / "mcore", runs)
+    rows["HF -> Megatron"] = (to_mcore, call_s, cp_hf)
     sizes["HF -> Megatron"] = folder_bytes(hf)
-    cp_mcore = timed_cp(work / "mcore", work / "cp_mcore")
-    start = time.perf_counter()
-    to_hf = convert.megatron_to_hf(work / "mcore", work / "hf_back", max_shard_bytes=source.largest_shard_bytes,
-                                   run_dir=work / "logs2")
-    rows["Megatron -> HF"] = (to_hf, time.perf_counter() - start, cp_mcore)
+    cp_mcore, _ = timed(lambda: cp(work / "mcore", work / "cp_mcore"), work / "cp_mcore", runs)
+    call_s, to_hf = timed(lambda: convert.megatron_to_hf(work / "mcore", work / "hf_back",
+                                                         max_shard_bytes=source.largest_shard_bytes,
+                                                         run_dir=work / "logs2"), work / "hf_back", runs)
+    rows["Megatron -> HF"] = (to_hf, call_s, cp_mcore)
     sizes["Megatron -> HF"] = folder_bytes(work / "mcore")
     for name, (result, call_s, cp_s) in rows.items():
         print(f"{label:26s} {name:16s} {call_s:7.2f} {result['seconds']:8.2f} {cp_s:6.2f} {result['peak_rss_mb']:12.0f} "

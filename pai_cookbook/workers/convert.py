@@ -303,7 +303,7 @@ def main(job: ConvertJob) -> dict[str, Any]:
         start = time.perf_counter()
         src, dst = Path(job.src), Path(job.dst)
         if job.direction == "hf2mcore":
-            result = write_megatron(inspect_hf(src), dst)
+            result = write_megatron(inspect_hf(src, job.model), dst)
         elif job.direction == "mcore2hf":
             result = write_hf(src, dst, job.max_shard_bytes)
         else:
