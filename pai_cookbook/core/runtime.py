@@ -70,6 +70,12 @@ def detect_device() -> DeviceInfo:
             has_transformer_engine=_importable("transformer_engine"),
             has_flash_attn=_importable("flash_attn"),
         )
+    return host_device()
+
+
+def host_device() -> DeviceInfo:
+    """The host's CPU, GPUs present or not: for models that only describe names and shapes (conversion's
+    meta-device model), which must never be moved to a GPU."""
     return DeviceInfo(
         is_cuda=False, name=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
         count=0, compute_capability=None, backend="gloo",
@@ -155,7 +161,9 @@ def init_distributed(parallel: Any, seed: int) -> DeviceInfo:
     if device.is_cuda:
         torch.cuda.set_device(local_rank)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend=device.backend, timeout=DIST_TIMEOUT)
+        # device_id binds NCCL to this rank's GPU (else each barrier warns that it guesses the device)
+        torch.distributed.init_process_group(backend=device.backend, timeout=DIST_TIMEOUT,
+                                             device_id=torch.device("cuda", local_rank) if device.is_cuda else None)
     if parallel is None:
         return device
     parallel_state.initialize_model_parallel(

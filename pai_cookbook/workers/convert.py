@@ -27,13 +27,17 @@ from pai_cookbook.core.config import ModelConfig, ParallelConfig, PrecisionConfi
 
 
 def meta_model(model: ModelConfig, dtype: torch.dtype, head: str = "lm"):
-    """The TP=1/PP=1 GPTModel on the meta device: every name, shape and chunk layout, no memory."""
+    """The TP=1/PP=1 GPTModel on the meta device: every name, shape and chunk layout, no memory.
+
+    Built for the host on any machine (a meta tensor cannot move to a GPU); its checkpoint keys are those of
+    the Transformer Engine spec too, which Megatron-Core's local spec maps its norms to
+    (`sharded_state_dict_keys_map`), so a GPU run with TE loads what this layout writes."""
     from pai_cookbook.core.model import build_model
-    from pai_cookbook.core.runtime import detect_device
+    from pai_cookbook.core.runtime import host_device
 
     precision = PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype])
     with torch.device("meta"):
-        (gpt,) = build_model(model, ParallelConfig(), precision, detect_device(), seed=0, head=head)
+        (gpt,) = build_model(model, ParallelConfig(), precision, host_device(), seed=0, head=head)
     return gpt
 
 
