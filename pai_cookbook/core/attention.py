@@ -56,3 +56,39 @@ class SDPAttention(DotProductAttention):
             enable_gqa=k.shape[1] != heads)
         # [b, n, sq, d] -> [sq, b, n * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+
+def rotated_key_cache_attention(base):
+    """`base` (Megatron-Core's `SelfAttention`) whose static-batching KV cache holds keys already rotated.
+
+    Megatron-Core's static inference path stores each new key before its rotary embedding and, at every
+    decode step, rotates the whole cached prefix again (`k_pos_emb[:sequence_end]` over every cached key, in
+    every layer): work and memory traffic that grow with the sequence, 13% of SmolLM2-135M's decode time on
+    the CPU (docs/megatron-core-on-cpu.md). Its dynamic path, like Hugging Face's cache, rotates a key once,
+    at its own position, before storing it. This class does that for static batching: the new keys are
+    rotated with their positions' frequencies, stored, and the key embedding handed back is None, so
+    `Attention.forward` rotates only the queries. Rotation is elementwise per position, so every key holds
+    the values the old path recomputed, bit for bit. Anything else (training, the dynamic context, flash
+    decoding, multi-latent attention, packed sequences) goes through `base` unchanged.
+    """
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+
+    class RotatedKeyCacheAttention(base):
+        def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
+                                            *args, **kwargs):
+            if (inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None
+                    or self.config.flash_decode or self.config.multi_latent_attention):
+                return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,
+                                                               *args, **kwargs)
+            q_pos_emb, k_pos_emb = rotary_pos_emb
+            start = inference_context.sequence_len_offset
+            key = apply_rotary_pos_emb(key, k_pos_emb[start:start + key.size(0)], config=self.config,
+                                       mscale=_yarn_get_concentration_factor_from_config(self.config),
+                                       cp_group=self.pg_collection.cp)
+            query, key, value, (q_pos_emb, _), mask_type, block_table = super()._adjust_key_value_for_inference(
+                inference_context, query, key, value, (q_pos_emb, k_pos_emb), *args, **kwargs)
+            return query, key, value, (q_pos_emb, None), mask_type, block_table
+
+    RotatedKeyCacheAttention.__name__ = RotatedKeyCacheAttention.__qualname__ = f"RotatedKeyCache{base.__name__}"
+    return RotatedKeyCacheAttention

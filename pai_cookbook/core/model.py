@@ -217,12 +217,17 @@ def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | 
 
 def _choose_attention(spec, model: ModelConfig) -> None:
     """The local spec's core attention on PyTorch's fused kernel (`core.attention`) unless the model asks for
-    Megatron-Core's unfused one; Transformer Engine's attention is left as it is."""
+    Megatron-Core's unfused one; Transformer Engine's attention is left as it is. Self-attention keeps rotated
+    keys in the static inference cache on either spec (`core.attention.rotated_key_cache_attention`)."""
+    from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from pai_cookbook.core.attention import SDPAttention
+    from pai_cookbook.core.attention import SDPAttention, rotated_key_cache_attention
 
-    attention = spec.submodules.self_attention.submodules
+    self_attention = spec.submodules.self_attention
+    if self_attention.module is SelfAttention:
+        self_attention.module = rotated_key_cache_attention(SelfAttention)
+    attention = self_attention.submodules
     if attention.core_attention is DotProductAttention and model.attention_backend == "sdpa":
         attention.core_attention = SDPAttention
 
