@@ -24,6 +24,7 @@ import argparse
 import json
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -215,18 +216,53 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = False
     """Export a cookbook Megatron checkpoint to a Hugging Face folder (safetensors shards, config, tokenizer)."""
     checkpoint.read_config(ckpt)  # fails early on a folder that is not a cookbook checkpoint
     job = ConvertJob(direction="mcore2hf", src=str(Path(ckpt).resolve()), dst="", max_shard_bytes=max_shard_bytes)
-    return _write(job, Path(out), overwrite, run_dir, None)
+    return _write(job, Path(out), overwrite, run_dir, None, finish=lambda partial: write_hf_config(Path(ckpt), partial))
+
+
+def write_hf_config(ckpt: Path, folder: Path) -> None:
+    """config.json of an export (after the worker copied the tokenizer assets: the config is the checkpoint's
+    own); a reward model as a one-label `...ForSequenceClassification` (`reward_hf_config`). Run in the caller's
+    process, where transformers is usually imported already, not in the worker (~2.5 s of its start)."""
+    model, dtype = checkpoint.read_config(ckpt)
+    source_config = Path(ckpt) / checkpoint.HF_ASSETS / "config.json"
+    config = families.to_hf(model, json.loads(source_config.read_text()) if source_config.exists() else None)
+    config.dtype = dtype
+    if checkpoint.head(ckpt) == "reward":
+        reward_hf_config(config, folder)
+    config.save_pretrained(folder)
+
+
+def reward_hf_config(config, folder: Path) -> None:
+    """Make `config` a one-label `...ForSequenceClassification`, and its tokenizer pad with a token that never
+    ends a sequence: transformers reads the score at each row's last token that is not `pad_token_id`, and the
+    cookbook's reward is read at the end-of-turn token, which many chat tokenizers also pad with."""
+    config.architectures = [name.replace("ForCausalLM", "ForSequenceClassification") for name in config.architectures]
+    config.num_labels, config.tie_word_embeddings = 1, False
+    hf = tokenizer.load(folder)
+    ends = set(tokenizer.eos_ids(folder, hf))
+    candidates = [(hf.pad_token, hf.pad_token_id), (hf.unk_token, hf.unk_token_id)]
+    pad = next(((text, i) for text, i in candidates if i is not None and i not in ends), None)
+    if pad is None:
+        raise ValueError(f"the tokenizer's pad and unknown tokens are end tokens or missing: no padding token the "
+                         f"exported reward model could tell from a sequence's end (pad {hf.pad_token!r}, unk "
+                         f"{hf.unk_token!r}, ends {sorted(ends)}).")
+    hf.pad_token = pad[0]
+    hf.save_pretrained(folder)
+    config.pad_token_id = pad[1]
 
 
 def _write(job: ConvertJob, out: Path, overwrite: bool, run_dir: str | Path | None,
-           timeout_s: float | None) -> dict[str, Any]:
-    """Run a streaming conversion into `<out>.partial`, published as `out` only when complete."""
+           timeout_s: float | None, finish: Callable[[Path], None] | None = None) -> dict[str, Any]:
+    """Run a streaming conversion into `<out>.partial` (then `finish(partial)` in this process, if given),
+    published as `out` only when complete."""
     from pai_cookbook.core import launch
 
     with checkpoint.writing(out, overwrite) as partial:
         job.dst = str(partial.resolve())
         result = launch.launch(job, run_dir=run_dir or out.with_name(out.name + ".logs"), echo=False,
                                show_progress=False, timeout_s=timeout_s)
+        if finish is not None:
+            finish(partial)
     return {k: v for k, v in result.items() if k != "events"}
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pai_cookbook.convert import DEFAULT_SHARD_BYTES, ConvertJob, HFCheckpoint, inspect_hf
-from pai_cookbook.core import checkpoint, families, hf_mapping, layout, worker
+from pai_cookbook.core import checkpoint, hf_mapping, layout, worker
 from pai_cookbook.core.config import ModelConfig, ParallelConfig, PrecisionConfig
 
 
@@ -202,8 +202,8 @@ def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype, hea
 
 
 def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
-    """Export a torch_dist checkpoint to HF safetensors shards + index in `partial` (1-process worker); a
-    reward model as `...ForSequenceClassification` (its scalar head as `score.weight`, `reward_hf_config`)."""
+    """Export a torch_dist checkpoint's tensors to HF safetensors shards + index in `partial`, with its tokenizer
+    assets (1-process worker); a reward model's scalar head as `score.weight`. The caller adds config.json."""
     from safetensors.torch import save_file
 
     model, dtype = checkpoint.read_config(ckpt)
@@ -238,34 +238,9 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
     (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     assets = Path(ckpt) / checkpoint.HF_ASSETS
     copied = checkpoint.copy_assets(assets, partial) if assets.exists() else []
-    source_config = assets / "config.json"
-    config = families.to_hf(model, json.loads(source_config.read_text()) if source_config.exists() else None)
-    config.dtype = dtype
-    if head == "reward":
-        reward_hf_config(config, partial)
-    config.save_pretrained(partial)  # written after the assets: the config is the checkpoint's own
+    # config.json (and a reward model's tokenizer edits) are the caller's (`convert.write_hf_config`): they need
+    # transformers, whose import is ~2.5 s of a fresh process and usually already done in the caller
     return {"shards": len(files), "tensors": len(weight_map), "bytes": total, "assets": copied}
-
-
-def reward_hf_config(config, folder: Path) -> None:
-    """Make `config` a one-label `...ForSequenceClassification`, and its tokenizer pad with a token that never
-    ends a sequence: transformers reads the score at each row's last token that is not `pad_token_id`, and the
-    cookbook's reward is read at the end-of-turn token, which many chat tokenizers also pad with."""
-    from pai_cookbook.core import tokenizer as tokenizers
-
-    config.architectures = [name.replace("ForCausalLM", "ForSequenceClassification") for name in config.architectures]
-    config.num_labels, config.tie_word_embeddings = 1, False
-    hf = tokenizers.load(folder)
-    ends = set(tokenizers.eos_ids(folder, hf))
-    candidates = [(hf.pad_token, hf.pad_token_id), (hf.unk_token, hf.unk_token_id)]
-    pad = next(((text, i) for text, i in candidates if i is not None and i not in ends), None)
-    if pad is None:
-        raise ValueError(f"the tokenizer's pad and unknown tokens are end tokens or missing: no padding token the "
-                         f"exported reward model could tell from a sequence's end (pad {hf.pad_token!r}, unk "
-                         f"{hf.unk_token!r}, ends {sorted(ends)}).")
-    hf.pad_token = pad[0]
-    hf.save_pretrained(folder)
-    config.pad_token_id = pad[1]
 
 
 def reshard(src: Path, out: Path, parallel: ParallelConfig, device) -> dict[str, Any]:
