@@ -8,8 +8,8 @@ Both directions stream, so memory does not grow with the model:
   Megatron-Core's own save would produce (taken from a model built on the meta device, so it costs no
   memory). Each chunk (one layer's tensor, one expert) is read from its safetensors shard, converted
   (`hf_mapping`) and written just before it is needed, then dropped.
-- Megatron -> HF loads the checkpoint a layer at a time with Megatron-Core's own `dist_checkpointing.load`
-  (which reads only the requested chunks) and writes safetensors shards as they fill up.
+- Megatron -> HF reads the checkpoint one parameter at a time (a DCP load of only that parameter's chunks)
+  and writes safetensors shards as they fill up; this process then writes config.json (`write_hf_config`).
 A torch_dist checkpoint holds whole tensors as chunks and Megatron-Core reshards on load, so one
 converted checkpoint serves every TP/PP/EP layout that divides the model.
 
