@@ -174,3 +174,22 @@ def test_bf16_checkpoint_round_trips_and_matches(tmp_path):
     for row in parity.check_layouts(hf, tmp_path / "mcore", [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)],
                                     run_dir=tmp_path / "parity"):
         assert_parity(row)
+
+
+def test_a_chunk_missing_from_the_metadata_is_found(converted):
+    """The HF -> Megatron worker writes with two DCP writer threads; one that dies drops its chunks while `save`
+    still writes the metadata, so the worker checks every chunk has a stored location (`unwritten_chunks`)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from pai_cookbook.workers.convert import Chunk, unwritten_chunks
+
+    _, ckpt, _ = converted["llama"]
+    metadata = FileSystemReader(str(ckpt)).read_metadata()
+    chunks = [Chunk(param=index.fqn, key=index.fqn, offsets=tuple(index.offset or ()), sizes=(), view=((), (), 0))
+              for index in metadata.storage_data]
+    assert len(chunks) > 10 and unwritten_chunks(chunks, metadata) == []
+    lost = next(iter(metadata.storage_data))
+    holed = dataclasses.replace(metadata, storage_data={k: v for k, v in metadata.storage_data.items() if k != lost})
+    assert [c.key for c in unwritten_chunks(chunks, holed)] == [lost.fqn]

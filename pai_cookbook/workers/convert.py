@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import resource
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ import torch
 from pai_cookbook.convert import DEFAULT_SHARD_BYTES, ConvertJob, HFCheckpoint, inspect_hf
 from pai_cookbook.core import checkpoint, hf_mapping, layout, worker
 from pai_cookbook.core.config import ModelConfig, ParallelConfig, PrecisionConfig
+
+WRITE_THREADS = 2  # HF -> Megatron: DCP writer threads, each building and writing its own file
 
 
 def meta_model(model: ModelConfig, dtype: torch.dtype, head: str = "lm"):
@@ -106,38 +109,66 @@ def _lazy_planner(model: ModelConfig, read: _HFReader, chunks: list[Chunk], padd
 
     class LazyPlanner(MCoreSavePlanner):
         # Parameters being written; one is dropped as soon as its last chunk (fc1 has two) is written,
-        # so the working set is about one parameter whatever order DCP writes in.
+        # so the working set is about one parameter per writing thread whatever order DCP writes in.
+        # DCP's writer threads call resolve_data concurrently: a parameter is built once (its own lock;
+        # another thread wanting it waits for it, threads building different ones do not wait).
         live: dict[str, torch.Tensor] = {}
+        building: dict[str, threading.Lock] = {}
+        guard = threading.Lock()
 
         def param(self, name: str) -> torch.Tensor:
-            if name not in self.live:
-                kind, hf_names = hf_mapping.hf_names(name, model)
-                self.live[name] = hf_mapping.to_megatron(kind, [read(n) for n in hf_names], model, padded_vocab)
-            return self.live[name]
+            with self.guard:
+                lock = self.building.setdefault(name, threading.Lock())
+            with lock:
+                if name not in self.live:
+                    kind, hf_names = hf_mapping.hf_names(name, model)
+                    self.live[name] = hf_mapping.to_megatron(kind, [read(n) for n in hf_names], model, padded_vocab)
+                return self.live[name]
+
+        errors: list[BaseException] = []  # a writer thread's exception ends only that thread: kept, raised after
 
         def resolve_data(self, write_item):
             chunk = by_index.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
             if chunk is None:  # bytes (extra state): real, tiny, already in the state dict
                 return super().resolve_data(write_item)
-            data = self.param(chunk.param).as_strided(*chunk.view).reshape(chunk.sizes).contiguous()
-            pending[chunk.param] -= 1
-            if pending[chunk.param] == 0:
-                del self.live[chunk.param]
+            try:
+                data = self.param(chunk.param).as_strided(*chunk.view).reshape(chunk.sizes).contiguous()
+            except BaseException as err:
+                self.errors.append(err)
+                raise
+            with self.guard:
+                pending[chunk.param] -= 1
+                if pending[chunk.param] == 0:
+                    del self.live[chunk.param], self.building[chunk.param]
             return data
 
     return LazyPlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
 
 
+def unwritten_chunks(chunks: list[Chunk], metadata) -> list[Chunk]:
+    """The chunks a DCP checkpoint's metadata has no stored location for."""
+    stored = {(index.fqn, tuple(index.offset or ())) for index in metadata.storage_data}
+    return [c for c in chunks if (c.key, tuple(c.offsets)) not in stored]
+
+
 def write_megatron(source: HFCheckpoint, partial: Path) -> dict[str, Any]:
     """Stream `source` into a torch_dist checkpoint in `partial` (runs in a 1-process worker)."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, save
 
     model, dtype = source.model, source.dtype
     chunks, pyt_state = chunk_layout(model, dtype)
     planner = _lazy_planner(model, _HFReader(source), chunks, model.padded_vocab_size(1))
-    save(pyt_state, storage_writer=FileSystemWriter(partial, single_file_per_rank=True, thread_count=1),
+    save(pyt_state, storage_writer=FileSystemWriter(partial, single_file_per_rank=True, thread_count=WRITE_THREADS),
          planner=planner)
+    # DCP's extra writer threads die alone on an exception and `save` still writes the metadata: check that
+    # every chunk was built and stored, or the caller would publish a checkpoint with holes.
+    if planner.errors:
+        raise planner.errors[0]
+    unwritten = unwritten_chunks(chunks, FileSystemReader(partial).read_metadata())
+    if unwritten:
+        raise RuntimeError(f"{len(unwritten)} of {len(chunks)} chunks were not written (first: {unwritten[0].key} at "
+                           f"{unwritten[0].offsets}): a writer thread failed; its traceback is in this worker's log.")
     torch.save({}, partial / "common.pt")  # a model-only checkpoint has no common (non-sharded) state
     save_config(CheckpointingConfig(sharded_backend="torch_dist", sharded_backend_version=1), str(partial))
     checkpoint.write_config(partial, model, dtype, source=str(source.folder))
