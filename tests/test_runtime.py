@@ -1,5 +1,10 @@
 """Device and launch-environment detection."""
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -9,6 +14,30 @@ from pai_cookbook.core import runtime
 def test_single_machine_gets_a_free_local_port():
     env = runtime.detect_launch_env({})
     assert not env.multi_node and env.nnodes == 1 and env.master_addr == "127.0.0.1" and env.master_port > 0
+
+
+def test_a_chosen_port_is_below_the_ephemeral_range():
+    # where no outgoing connection can take it between the launcher choosing it and the rendezvous binding it
+    low = runtime._ephemeral_low()
+    if low is None:
+        pytest.skip("no ephemeral port range to read (not Linux)")
+    ports = {runtime.free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports) and len(ports) > 1
+
+
+def test_a_one_process_world_binds_no_port():
+    # The launcher's port taken by another program before the worker binds it (seen in CI as EADDRINUSE):
+    # a world of one process joins its group without it.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(taken.getsockname()[1]), "RANK": "0",
+                            "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        code = ("import torch; from pai_cookbook.core import runtime; runtime.init_distributed(None, 0); "
+                "print('world', torch.distributed.get_world_size())")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["world", "1"]
 
 
 def test_scheduler_variables_make_a_multi_node_job():

@@ -17,10 +17,12 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import random
 import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,10 +101,35 @@ class LaunchEnv:
 
 
 def free_port() -> int:
-    """A TCP port that is free on this machine right now (the OS picks it)."""
+    """A TCP port that is free on this machine now, below the kernel's ephemeral range where it can be.
+
+    The launcher finds the port, then the rendezvous binds it a second or two later. A port from the
+    ephemeral range (what `bind(0)` hands out) can be taken in between by any program's outgoing connection:
+    seen in CI, two test sessions side by side, as EADDRINUSE in a worker. Outgoing connections never get a
+    port below that range, so only another program choosing the same port in the same instant could.
+    """
+    low = _ephemeral_low()
+    if low is not None and low > 2048:
+        rng = random.Random()  # not the global generator: a seeded run must not pick the same port twice
+        for _ in range(64):
+            port = rng.randrange(max(1024, low - 12768), low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of Linux's ephemeral range (None elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def local_launch_env() -> LaunchEnv:
@@ -161,9 +188,14 @@ def init_distributed(parallel: Any, seed: int) -> DeviceInfo:
     if device.is_cuda:
         torch.cuda.set_device(local_rank)
     if not torch.distributed.is_initialized():
+        # A world of one process has nobody to meet: an in-process store, no TCP port to bind (or to lose to
+        # another program between the launcher choosing it and this line binding it).
+        alone = {"store": torch.distributed.HashStore(), "rank": 0, "world_size": 1} \
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1 else {}
         # device_id binds NCCL to this rank's GPU (else each barrier warns that it guesses the device)
         torch.distributed.init_process_group(backend=device.backend, timeout=DIST_TIMEOUT,
-                                             device_id=torch.device("cuda", local_rank) if device.is_cuda else None)
+                                             device_id=torch.device("cuda", local_rank) if device.is_cuda else None,
+                                             **alone)
     if parallel is None:
         return device
     parallel_state.initialize_model_parallel(
