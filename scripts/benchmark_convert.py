@@ -4,10 +4,11 @@
 
 Builds Llama-style Hugging Face checkpoints (bf16, width 2048, vocab 32000) of 8 and 16 layers
 (~0.9 and ~1.6 GiB) in 200 MB shards, then prints, per size and direction: the whole call's seconds (as
-a notebook cell sees them: the worker's start included; median of --runs), seconds inside the worker (last
-run), seconds of `cp -r` of the same files (median), and the worker's peak RSS next to its RSS right after
-importing torch and Megatron-Core and the largest shard. From the two sizes: the marginal throughput (the
-extra bytes over the extra seconds) and the fixed seconds (what a call of zero bytes would take), for the
+a notebook cell sees them: the worker's start included; median of --runs), seconds inside the worker
+(median), seconds of `cp -r` of the same files (median), and the worker's largest peak RSS next to its RSS right
+after importing torch and Megatron-Core and the largest shard. From the two sizes: the marginal throughput (the
+extra bytes over the worker's extra seconds: the start of a fresh process varies by +-0.5 s between calls, and
+only adds noise to a difference) and the fixed seconds (what a whole call of zero bytes would take), for the
 conversion and for `cp`; the last line is the ratio of marginal throughputs, conversion / `cp`, per
 direction. Memory should not grow with the model (conversion streams one parameter at a time).
 Not a test: figures depend on the disk and the page cache (the files were just written, so both the
@@ -36,18 +37,18 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def timed(run: Callable[[], Any], output: Path, runs: int) -> tuple[float, Any]:
-    """Median seconds of `runs` calls writing `output`, and the last call's result. Before each call, outside the
+def timed(run: Callable[[], Any], output: Path, runs: int) -> tuple[float, list[Any]]:
+    """Median seconds of `runs` calls writing `output`, and every call's result. Before each call, outside the
     timing, the previous call's output is deleted and dirty pages are written back (`sync`): without that, `cp` of
     the same 1.6 GiB took 0.5 s or 4.5 s."""
-    seconds, result = [], None
+    seconds, results = [], []
     for _ in range(runs):
         shutil.rmtree(output, ignore_errors=True)
         os.sync()
         start = time.perf_counter()
-        result = run()
+        results.append(run())
         seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), result
+    return statistics.median(seconds), results
 
 
 def cp(src: Path, dst: Path) -> None:
@@ -66,16 +67,21 @@ def main() -> None:
     small, large = (bench_one(opts.workdir / f"layers{n}", n, opts.shard_size, opts.runs) for n in opts.layers)
     ratios = []
     for direction in small:
-        (b1, t1, cp1), (b2, t2, cp2) = small[direction], large[direction]
-        mb_s, cp_mb_s = (b2 - b1) / (t2 - t1) / 2**20, (b2 - b1) / (cp2 - cp1) / 2**20
-        fixed, cp_fixed = t1 - (b1 / 2**20) / mb_s, cp1 - (b1 / 2**20) / cp_mb_s
+        (b1, t1, w1, cp1), (b2, t2, w2, cp2) = small[direction], large[direction]
+        # The marginal rate from the worker's own seconds: a fresh process's start (+-0.5 s between calls here)
+        # is the same work at both sizes and would only add noise to the difference.
+        mb_s, cp_mb_s = (b2 - b1) / (w2 - w1) / 2**20, (b2 - b1) / (cp2 - cp1) / 2**20
+        # what the whole call spends beyond the marginal rate, averaged over the two sizes
+        fixed = (t1 + t2 - (b1 + b2) / 2**20 / mb_s) / 2
+        cp_fixed = cp1 - (b1 / 2**20) / cp_mb_s
         print(f"{direction:16s} marginal {mb_s:6.0f} MB/s (cp {cp_mb_s:5.0f}), fixed {fixed:5.2f} s (cp {cp_fixed:5.2f})")
         ratios.append(f"{direction} {mb_s / cp_mb_s:.2f}x")
     print("marginal throughput, conversion / cp: " + ", ".join(ratios))
 
 
-def bench_one(work: Path, layers: int, shard_size: str, runs: int) -> dict[str, tuple[int, float, float]]:
-    """(bytes read, seconds of the whole call, seconds of cp) per direction, after printing its rows."""
+def bench_one(work: Path, layers: int, shard_size: str, runs: int) -> dict[str, tuple[int, float, float, float]]:
+    """(bytes read, seconds of the whole call, seconds inside the worker, seconds of cp) per direction (medians),
+    after printing its rows."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from pai_cookbook import convert
@@ -104,13 +110,14 @@ def bench_one(work: Path, layers: int, shard_size: str, runs: int) -> dict[str, 
                                                          run_dir=work / "logs2"), work / "hf_back", runs)
     rows["Megatron -> HF"] = (to_hf, call_s, cp_mcore)
     sizes["Megatron -> HF"] = folder_bytes(work / "mcore")
-    for name, (result, call_s, cp_s) in rows.items():
-        print(f"{label:26s} {name:16s} {call_s:7.2f} {result['seconds']:8.2f} {cp_s:6.2f} {result['peak_rss_mb']:12.0f} "
-              f"{result['rss_before_mb']:18.0f} {largest_mb:17.0f}")
+    worker_s = {name: statistics.median(r["seconds"] for r in results) for name, (results, _, _) in rows.items()}
+    for name, (results, call_s, cp_s) in rows.items():
+        print(f"{label:26s} {name:16s} {call_s:7.2f} {worker_s[name]:8.2f} {cp_s:6.2f} "
+              f"{max(r['peak_rss_mb'] for r in results):12.0f} {results[-1]['rss_before_mb']:18.0f} {largest_mb:17.0f}")
     identical = convert.compare_hf_checkpoints(hf, work / "hf_back")["bitwise_identical"]
     print(f"{label:26s} round trip bitwise identical: {identical}")
     shutil.rmtree(work)
-    return {name: (sizes[name], call_s, cp_s) for name, (_, call_s, cp_s) in rows.items()}
+    return {name: (sizes[name], call_s, worker_s[name], cp_s) for name, (_, call_s, cp_s) in rows.items()}
 
 
 if __name__ == "__main__":

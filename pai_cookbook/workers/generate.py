@@ -189,7 +189,7 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     config, parallel = job.config, job.parallel
     model, saved_dtype = checkpoint.read_config(job.ckpt)
     precision = PrecisionConfig(dtype=config.dtype or checkpoint.DTYPE_NAMES[saved_dtype])
-    (gpt,) = build_model(model, parallel, precision, device, seed=0)
+    (gpt,) = build_model(model, parallel, precision, device, seed=0, initialize=False)
     checkpoint.load([gpt], job.ckpt)
     tokenizer = MegatronView(checkpoint.load_tokenizer(job.ckpt), job.eos_ids)
     prompts = job.prompt_ids

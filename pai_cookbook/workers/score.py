@@ -61,7 +61,7 @@ def megatron_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torc
 
 def _load(ckpt: str, device):
     model, _ = checkpoint.read_config(ckpt)
-    chunks = build_model(model, ParallelConfig(), PrecisionConfig(), device, 0)
+    chunks = build_model(model, ParallelConfig(), PrecisionConfig(), device, 0, initialize=False)
     checkpoint.load(chunks, ckpt)
     for chunk in chunks:
         chunk.eval()
