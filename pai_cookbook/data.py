@@ -188,6 +188,9 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
 def _write_dataset(inputs: Sequence[str | Path], tmp: Path, hf_tokenizer: Any, tokenizer_dir: str | Path,
                    text_field: str, workers: int, eod: int | None, show_progress: bool) -> tuple[int, int]:
     """Tokenize every input into `<tmp>.bin/.idx`; returns (documents, tokens)."""
+    from pai_cookbook.core import compat
+
+    compat.import_megatron_core()  # in the caller's process: without TorchInductor on CPU, as workers import it
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm.auto import tqdm
 

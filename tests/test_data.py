@@ -1,8 +1,11 @@
 """Data preparation: Megatron-Core indexed datasets that read back exactly, and specific errors."""
 
 import json
+import subprocess
+import sys
 
 import pytest
+import torch
 import transformers
 
 from pai_cookbook import data, train
@@ -32,6 +35,20 @@ def test_prepared_dataset_reads_back_the_tokenizer_ids(tmp_path, tokenizer_dir):
     assert [list(dataset[i]) for i in range(2)] == expected
     assert summary["tokens"] == sum(len(dataset[i]) for i in range(len(dataset)))
     assert data.describe(tmp_path / "ds")["vocab_size"] == 256
+
+
+def test_prepare_imports_megatron_core_without_torchinductor(tmp_path, tokenizer_dir):
+    # data.prepare runs in the caller's process (a notebook kernel): on CPU Megatron-Core is imported there as the
+    # workers import it, without the TorchInductor that its torch.compile-wrapped fusions pull in (1.6 s)
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA Megatron-Core is imported as it is, fusions compiled")
+    code = ("import sys; from pai_cookbook import data; "
+            f"data.prepare([{str(TOKENIZER_CORPUS)!r}], {str(tmp_path / 'ds')!r}, {str(tokenizer_dir)!r}, "
+            "show_progress=False); "
+            "print('megatron.core' in sys.modules, 'torch._inductor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["True", "False"]
 
 
 @pytest.mark.parametrize("content, message", [

@@ -388,6 +388,16 @@ def _import_megatron_uncompiled() -> None:
         torch.compile = compile_
 
 
+def import_megatron_core() -> None:
+    """Import Megatron-Core as the workers do: without TorchInductor where there is no CUDA; patches not applied.
+
+    For imports in the caller's own process (a notebook kernel: `data.prepare`'s dataset builder), where the
+    import cost 3.8 s on this machine against 2.2 s without Inductor (measured in `data.prepare`'s first call).
+    """
+    if not torch.cuda.is_available():
+        _import_megatron_uncompiled()
+
+
 def apply(skip: tuple[str, ...] | None = None) -> list[str]:
     """Apply every patch once per process; a no-op (returns []) when CUDA is available.
 
