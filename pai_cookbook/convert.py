@@ -254,13 +254,22 @@ def reward_hf_config(config, folder: Path) -> None:
 def _write(job: ConvertJob, out: Path, overwrite: bool, run_dir: str | Path | None,
            timeout_s: float | None, finish: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """Run a streaming conversion into `<out>.partial` (then `finish(partial)` in this process, if given),
-    published as `out` only when complete."""
-    from pai_cookbook.core import launch
+    published as `out` only when complete.
+
+    Where this process can host a world of one (no CUDA, no process group of its own) and no timeout is asked
+    for, the conversion runs here: a worker process would spend ~3 s importing torch and Megatron-Core before
+    its first byte, more than the bytes of a small model take. Otherwise (GPU machines, `timeout_s`, a caller
+    that is itself a worker) it is a one-process worker, with its log in `run_dir`."""
+    from pai_cookbook.core import launch, runtime
+    from pai_cookbook.workers import convert as convert_worker
 
     with checkpoint.writing(out, overwrite) as partial:
         job.dst = str(partial.resolve())
-        result = launch.launch(job, run_dir=run_dir or out.with_name(out.name + ".logs"), echo=False,
-                               show_progress=False, timeout_s=timeout_s)
+        if timeout_s is None and runtime.can_host_world_of_one():
+            result = launch.run_here(job, convert_worker.run)
+        else:
+            result = launch.launch(job, run_dir=run_dir or out.with_name(out.name + ".logs"), echo=False,
+                                   show_progress=False, timeout_s=timeout_s)
         if finish is not None:
             finish(partial)
     return {k: v for k, v in result.items() if k != "events"}

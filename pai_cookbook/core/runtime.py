@@ -12,6 +12,7 @@ Two questions are answered here and nowhere else:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import importlib.util
@@ -225,6 +226,39 @@ def each_layout(layouts: Iterable[tuple[Any, int]]) -> Iterator[DeviceInfo]:
             yield device
         finally:
             parallel_state.destroy_model_parallel()  # the next layout builds its own groups
+
+
+def can_host_world_of_one() -> bool:
+    """Whether this process can run a one-process job itself (`world_of_one`): no CUDA device, whose context would
+    stay in a notebook kernel holding GPU memory, and no process group of its own already open here (it would be
+    joined and then destroyed)."""
+    return not torch.cuda.is_available() and not torch.distributed.is_initialized()
+
+
+@contextlib.contextmanager
+def world_of_one() -> Iterator[DeviceInfo]:
+    """Megatron-Core's parallel state for one process at TP=PP=EP=1, in the caller's own process; torn down after.
+
+    For jobs that only build a model on the meta device and move bytes (the streaming conversions): a worker
+    process would spend ~3 s importing torch and Megatron-Core before its first byte (docs/megatron-core-on-cpu.md).
+    The compatibility layer is applied here as in any CPU worker (building an MoE layer, even on the meta device,
+    creates CUDA streams; its patches stand in only for CUDA calls that would raise on this machine). No port is
+    bound (an in-process store). Yields the host device. Check `can_host_world_of_one()` first.
+    """
+    from pai_cookbook.core import compat
+
+    if not can_host_world_of_one():
+        raise RuntimeError("world_of_one() needs a process without CUDA and without a process group of its own; "
+                           "launch the job as a worker instead (core.launch).")
+    compat.apply()
+    from megatron.core import parallel_state
+
+    torch.distributed.init_process_group(backend="gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        yield host_device()
+    finally:
+        destroy_distributed()
 
 
 def destroy_distributed() -> None:

@@ -401,7 +401,7 @@ def reshard(src: Path, out: Path, parallel: ParallelConfig, device) -> dict[str,
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory since it started, in MiB.
+    """This process's peak resident memory since it started (or since `reset_peak_rss`), in MiB.
 
     Linux's VmHWM, the high-water mark of this program's own memory: `getrusage`'s ru_maxrss survives exec, so
     a worker forked from a large launcher (a notebook kernel holding a model) would report the launcher's
@@ -416,22 +416,39 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, bytes on macOS: a bound
 
 
-@worker.entry(ConvertJob)
-def main(job: ConvertJob) -> dict[str, Any]:
+def reset_peak_rss() -> bool:
+    """Start `peak_rss_mb` afresh from the current RSS (Linux: "5" to /proc/self/clear_refs), so a conversion run
+    in a caller's process reports its own peak, not the caller's earlier one. False where the kernel refuses."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def run(job: ConvertJob, device) -> dict[str, Any]:
+    """One conversion, in a process whose group and parallel state are up: a worker's (`main`), or for the
+    streaming directions the caller's own world of one (`convert._write`, `launch.run_here`)."""
     import psutil
 
+    rss_before_mb = psutil.Process().memory_info().rss / 2**20  # torch + Megatron-Core imported, nothing loaded
+    own_peak = reset_peak_rss()
+    start = time.perf_counter()
+    src, dst = Path(job.src), Path(job.dst)
+    if job.direction == "hf2mcore":
+        result = write_megatron(inspect_hf(src, job.model), dst)
+    elif job.direction == "mcore2hf":
+        result = write_hf(src, dst, job.max_shard_bytes)
+    else:
+        result = reshard(src, dst, job.parallel, device)
+    return result | {"seconds": time.perf_counter() - start, "rss_before_mb": rss_before_mb,
+                     "peak_rss_mb": peak_rss_mb() if own_peak else None}
+
+
+@worker.entry(ConvertJob)
+def main(job: ConvertJob) -> dict[str, Any]:
     with worker.session(job.parallel, seed=0) as device:
-        rss_before_mb = psutil.Process().memory_info().rss / 2**20  # torch + Megatron-Core imported, nothing loaded
-        start = time.perf_counter()
-        src, dst = Path(job.src), Path(job.dst)
-        if job.direction == "hf2mcore":
-            result = write_megatron(inspect_hf(src, job.model), dst)
-        elif job.direction == "mcore2hf":
-            result = write_hf(src, dst, job.max_shard_bytes)
-        else:
-            result = reshard(src, dst, job.parallel, device)
-        return result | {"seconds": time.perf_counter() - start, "rss_before_mb": rss_before_mb,
-                         "peak_rss_mb": peak_rss_mb()}
+        return run(job, device)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def main(job: ProbeJob) -> dict | None:
             worker.progress(step, 3, loss=1.0 / step)
         print("ordinary output line", flush=True)
         # torchrun names its run in every worker's environment
-        return {"world_size": dist.get_world_size(), "mode": mode, "under_torchrun": "TORCHELASTIC_RUN_ID" in os.environ}
+        return {"world_size": dist.get_world_size(), "mode": mode, "under_torchrun": "TORCHELASTIC_RUN_ID" in os.environ,
+                "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE")}
     finally:
         dist.destroy_process_group()
 
