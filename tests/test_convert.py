@@ -151,6 +151,30 @@ def test_occupied_output_is_refused_and_a_killed_conversion_leaves_nothing_loada
         checkpoint.read_config(checkpoint.partial_dir(out))
 
 
+def test_a_conversion_runs_in_this_process_and_never_takes_the_callers_process_group(tmp_path, tiny_llama):
+    from pai_cookbook.workers import convert as convert_worker
+
+    # No CUDA, no process group here: both directions run in this process (no worker, so no log folder) and
+    # leave no process group behind.
+    touched = b"\x01" * (600 * 2**20)  # 600 MB resident, then freed: this process's peak is now far above
+    del touched                        # anything a tiny conversion needs
+    earlier_peak = convert_worker.peak_rss_mb()
+    result = convert.hf_to_megatron(tiny_llama, tmp_path / "m")
+    back = convert.megatron_to_hf(tmp_path / "m", tmp_path / "h")
+    assert not any(p.name.endswith(".logs") for p in tmp_path.iterdir()), list(tmp_path.iterdir())
+    assert not torch.distributed.is_initialized() and back["tensors"] > 0
+    # the conversion reports its own peak memory, not the process's earlier one
+    assert result["rss_before_mb"] - 16 <= result["peak_rss_mb"] < earlier_peak - 300, (result, earlier_peak)
+    # A caller with a process group of its own (a worker converting, a user's script) gets a worker process,
+    # and keeps its group.
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        convert.hf_to_megatron(tiny_llama, tmp_path / "w")
+        assert (tmp_path / "w.logs").is_dir() and torch.distributed.is_initialized()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_cli_exit_codes(tmp_path, tiny_llama):
     import subprocess
     import sys
