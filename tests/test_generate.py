@@ -19,8 +19,8 @@ from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.generate import GenerationConfig
 
 NEW_TOKENS = 32
-# Prompts of different lengths in one batch (the shortest sets the prefill, the others are fed one
-# token per step), two batches, so TP1's two data-parallel replicas each take one.
+# Prompts of different lengths in one batch (left-padded to the longest, the padding masked), two batches,
+# so TP1's two data-parallel replicas each take one.
 PROMPTS = ["The Python language reference describes", "def f(x): return", "In the beginning",
            "Chinese paragraphs and the interpreter"]
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.0, batch_size=2)
@@ -105,18 +105,18 @@ def test_repetition_penalty_equals_transformers(checkpoints, first_launch):
 
 @pytest.mark.multiproc
 def test_kv_cache_runs_one_token_steps(first_launch):
-    # One prefill over the shortest prompt of the batch, then forward steps of one token each: the
-    # longer prompt's remaining tokens, then the new ones (32 in all for every row). Without the cache
-    # every step re-reads the whole prefix, so the lengths grow by one per step.
+    # One prefill over the batch's prompts, left-padded to the longest, then forward steps of one token each,
+    # one per new token (32 for every row: every row samples from the first step on). Without the cache every
+    # step re-reads the whole prefix, so the lengths grow by one per step.
     job, cached = first_launch["llama tp1"]
     _, uncached = first_launch["uncached tp1"]
     assert len(cached["forward_lengths"]) == len(PROMPTS) // GREEDY.batch_size
     for batch, lengths in enumerate(cached["forward_lengths"]):
         rows = job.prompt_ids[batch * GREEDY.batch_size:(batch + 1) * GREEDY.batch_size]
         shortest, longest = min(map(len, rows)), max(map(len, rows))
-        steps = longest - shortest + NEW_TOKENS
-        assert lengths == [shortest] + [1] * (steps - 1)
-        assert uncached["forward_lengths"][batch] == list(range(shortest, shortest + steps))
+        assert shortest < longest  # the batch needs its padding
+        assert lengths == [longest] + [1] * (NEW_TOKENS - 1)
+        assert uncached["forward_lengths"][batch] == list(range(longest, longest + NEW_TOKENS))
     assert uncached["tokens"] == cached["tokens"]
 
 

@@ -58,6 +58,40 @@ class SDPAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
 
 
+LEFT_PADDING = "cookbook_left_padding"
+"""Attribute of a static inference context: a [batch] tensor of each row's left-padding tokens, set by the
+generation worker for a batch of prompts of different lengths (`workers.generate.generate_batch`), or None."""
+
+
+def left_padded_positions(padding: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """[length, rows] positions of tokens start..start+length-1 of left-padded rows: each row counts from 0 at its
+    first real token, as an unpadded row would (its padding is given position 0; it is masked anyway)."""
+    steps = torch.arange(start, start + length, device=padding.device)
+    return (steps[:, None] - padding[None, :]).clamp(min=0)
+
+
+def left_padded_mask(padding: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """[rows, 1, length, start+length] attention mask (True: masked, Megatron-Core's convention) for queries
+    start..start+length-1 of left-padded rows: causal, and no real token sees its row's padding. A padding
+    position sees itself, so no row of scores is masked whole (a softmax over nothing is NaN, and a NaN value
+    times a zero weight would still reach the real tokens)."""
+    queries = torch.arange(start, start + length, device=padding.device)[:, None]
+    keys = torch.arange(start + length, device=padding.device)[None, :]
+    masked = (keys > queries) | ((keys < padding[:, None, None]) & (keys != queries))
+    return masked[:, None]
+
+
+def _per_step(context, kind: str, rows: int, length: int, build):
+    """What every layer of one forward step computes alike (mask, positions), built once per step and micro-batch."""
+    key = (kind, context.batch_size_offset, rows, context.sequence_len_offset, length)
+    cache = context.__dict__.setdefault("_cookbook_step_cache", {})
+    if key not in cache:
+        if len(cache) > 8:  # entries of earlier steps are never asked for again
+            cache.clear()
+        cache[key] = build()
+    return cache[key]
+
+
 def rotated_key_cache_attention(base):
     """`base` (Megatron-Core's `SelfAttention`) whose static-batching KV cache holds keys already rotated.
 
@@ -70,11 +104,29 @@ def rotated_key_cache_attention(base):
     `Attention.forward` rotates only the queries. Rotation is elementwise per position, so every key holds
     the values the old path recomputed, bit for bit. Anything else (training, the dynamic context, flash
     decoding, multi-latent attention, packed sequences) goes through `base` unchanged.
+
+    Left-padded batches (the context's `LEFT_PADDING`): each row's queries and keys are rotated at the row's own
+    positions (`left_padded_positions`: from 0 at its first real token, as without padding) and its padding is
+    masked (`left_padded_mask`), so a row computes what it would alone.
     """
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 
+    def padding_of(context, rows: int) -> torch.Tensor | None:
+        padding = getattr(context, LEFT_PADDING, None) if context is not None and context.is_static_batching() \
+            else None
+        return None if padding is None else padding[context.batch_size_offset:context.batch_size_offset + rows]
+
     class RotatedKeyCacheAttention(base):
+        def forward(self, hidden_states, attention_mask=None, *args, inference_context=None, **kwargs):
+            padding = padding_of(inference_context, hidden_states.size(1))  # hidden states: [s, b, h]
+            if padding is not None:
+                length = hidden_states.size(0)
+                attention_mask = _per_step(inference_context, "mask", hidden_states.size(1), length, lambda: (
+                    left_padded_mask(padding, inference_context.sequence_len_offset, length)))
+            return super().forward(hidden_states, attention_mask, *args, inference_context=inference_context,
+                                   **kwargs)
+
         def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
                                             *args, **kwargs):
             if (inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None
@@ -82,13 +134,21 @@ def rotated_key_cache_attention(base):
                 return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,
                                                                *args, **kwargs)
             q_pos_emb, k_pos_emb = rotary_pos_emb
-            start = inference_context.sequence_len_offset
-            key = apply_rotary_pos_emb(key, k_pos_emb[start:start + key.size(0)], config=self.config,
+            start, length = inference_context.sequence_len_offset, key.size(0)
+            padding = padding_of(inference_context, key.size(1))  # key: [s, b, groups, d]
+            if padding is None:
+                k_rows = k_pos_emb[start:start + length]
+            else:  # [s, 1, 1, d] tables indexed by [s, b] positions -> [s, b, 1, d]
+                def rows():
+                    positions = left_padded_positions(padding, start, length)
+                    return k_pos_emb[positions].squeeze(2), q_pos_emb[positions].squeeze(2)
+                k_rows, q_rows = _per_step(inference_context, "rotary", key.size(1), length, rows)
+            key = apply_rotary_pos_emb(key, k_rows, config=self.config,
                                        mscale=_yarn_get_concentration_factor_from_config(self.config),
                                        cp_group=self.pg_collection.cp)
             query, key, value, (q_pos_emb, _), mask_type, block_table = super()._adjust_key_value_for_inference(
                 inference_context, query, key, value, (q_pos_emb, k_pos_emb), *args, **kwargs)
-            return query, key, value, (q_pos_emb, None), mask_type, block_table
+            return query, key, value, (q_pos_emb if padding is None else q_rows, None), mask_type, block_table
 
     RotatedKeyCacheAttention.__name__ = RotatedKeyCacheAttention.__qualname__ = f"RotatedKeyCache{base.__name__}"
     return RotatedKeyCacheAttention

@@ -2,10 +2,15 @@
 
 Each rank builds the model at the job's layout, loads the checkpoint (Megatron-Core reshards it), and
 runs `StaticInferenceEngine` -> `TextGenerationController` -> `GPTInferenceWrapper` with a
-`StaticInferenceContext` (the KV cache): one prefill forward over the shortest prompt, then one
-forward of one token per step. Prompts of different lengths share a batch *right-padded*: a row
-whose prompt is longer keeps feeding its own prompt tokens until they run out, so no padding token is
-ever attended to and no attention mask is needed (Megatron-Core's static batching).
+`StaticInferenceContext` (the KV cache): one prefill forward over every prompt, then one forward of one
+token per step. Prompts of different lengths share a batch *left-padded* (`generate_batch`), as Hugging
+Face's batched `generate` does: each row's positions count from 0 at its first real token and its padding is
+masked (`core.attention`), so every row computes what it would alone, and every row samples from the first
+step on. Megatron-Core's static batching right-pads instead: the longer prompts were fed one token a step
+while the shorter rows sampled, (longest - shortest) extra forward steps a batch (measured: 70 steps instead
+of 64 for SmolLM2's 8 x 64 benchmark, docs/megatron-core-on-cpu.md). The RL worker's rollouts still configure
+the controller without `left_padding` (right-padded, Megatron-Core's own way): notebook 08's tuned figures were
+measured on those trajectories.
 
 The controller is subclassed only where Hugging Face semantics need something it lacks:
 - repetition penalty (HF's rule: a seen token's logit divided by the penalty if positive, multiplied
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 
 from pai_cookbook.core import checkpoint, runtime, worker
+from pai_cookbook.core.attention import LEFT_PADDING, left_padded_positions
 from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
 from pai_cookbook.core.tokenizer import MegatronView
 from pai_cookbook.generate import GenerationBatch, GenerationConfig, GenerationJob
@@ -47,10 +53,15 @@ def _controller_class():
 
         def configure(self, *, vocab_size: int, repetition_penalty: float, eos_ids: list[int],
                       stop: list[str], prompt_lengths: list[int], max_new_tokens: int,
-                      track_logprobs: bool = False) -> None:
+                      track_logprobs: bool = False, left_padding: list[int] | None = None) -> None:
+            """Settings for the next batch. `prompt_lengths`: each row's prompt as the engine sees it (with its
+            padding); `left_padding`: how many of those tokens are padding (masked, never penalised)."""
             self.real_vocab, self.penalty, self.stop, self.max_new = vocab_size, repetition_penalty, stop, max_new_tokens
             self.eos = torch.tensor(eos_ids, dtype=torch.long)
             self.prompt_lengths = prompt_lengths
+            padding = torch.tensor(left_padding or [0] * len(prompt_lengths), dtype=torch.long)
+            self.left_padding = padding if bool(padding.any()) else None
+            setattr(self.inference_wrapped_model.inference_context, LEFT_PADDING, self.left_padding)
             self.finish = [FINISH_LENGTH] * len(prompt_lengths)
             # per sampling step, each row's log-probability of the token it sampled and the entropy of its
             # next-token distribution (the RL worker reads both; see `token_logprobs`)
@@ -71,6 +82,10 @@ def _controller_class():
                 self.entropies.append(entropy(raw[:, :self.real_vocab]).cpu())
             if self.penalty != 1.0:
                 seen = self.tokens[:logits.shape[0], :self.position].to(logits.device)
+                if self.left_padding is not None:  # padding is no token the row has seen: count its first real one
+                    padding = self.left_padding.to(logits.device)
+                    first = seen.gather(1, padding[:, None])
+                    seen = torch.where(torch.arange(seen.shape[1], device=seen.device) < padding[:, None], first, seen)
                 score = logits.gather(1, seen)
                 score = torch.where(score < 0, score * self.penalty, score / self.penalty)
                 logits.scatter_(1, seen, score)
@@ -139,6 +154,13 @@ def _wrapper_class(kv_cache: bool):
         forward_lengths: list[int]
         forward_seconds: float = 0.0
 
+        def prep_inference_input(self, prompts_tokens):
+            batch = super().prep_inference_input(prompts_tokens)
+            padding = getattr(self.inference_context, LEFT_PADDING, None)
+            if padding is not None:  # positions from 0 at each row's first real token (learned position embeddings)
+                batch["position_ids"] = left_padded_positions(padding, 0, batch["position_ids"].shape[1]).T
+            return batch
+
         def run_one_forward_step(self, inference_input, recv_buffer_seq_len=None):
             self.forward_lengths.append(int(inference_input["tokens"].shape[1]))
             start = time.perf_counter()
@@ -178,10 +200,26 @@ def build_engine(gpt, model, tokenizer: MegatronView, config: GenerationConfig, 
     return StaticInferenceEngine(controller, max_batch_size=config.batch_size, legacy=True)
 
 
+def generate_batch(engine, prompts: list[list[int]], params, **settings: Any) -> list:
+    """One static batch through `engine`: `prompts` left-padded to the longest (the padding is masked and each
+    row's positions start at its first real token; see the module), the controller configured with `settings`
+    (its `configure` keywords but the prompts'). Returns the engine's finished requests, in prompt order; their
+    `generated_tokens` are the new tokens alone."""
+    from megatron.core.inference.inference_request import InferenceRequest
+
+    width = max(map(len, prompts))
+    padding = [width - len(p) for p in prompts]
+    engine.controller.configure(prompt_lengths=[width] * len(prompts), left_padding=padding, **settings)
+    # The padding's token id is never seen (masked in attention, skipped by the repetition penalty): 0 is in
+    # every vocabulary.
+    requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=[0] * pad + list(p),
+                                 sampling_params=params) for p, pad in zip(prompts, padding)]
+    return list(engine.generate(inference_requests=requests))
+
+
 def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     """Generate every prompt of one job on this rank's share of the batches; results on global rank 0."""
     from megatron.core import parallel_state as ps
-    from megatron.core.inference.inference_request import InferenceRequest
     from megatron.core.inference.sampling_params import SamplingParams
 
     from pai_cookbook.core.model import build_model, torch_dtype
@@ -214,13 +252,12 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
         if number % dp_size != dp_rank:
             continue
         controller.sampling_rng.manual_seed(config.seed * _BATCH_SEED_STRIDE + number)
-        controller.configure(vocab_size=model.vocab_size, repetition_penalty=config.repetition_penalty,
-                             eos_ids=[] if config.ignore_eos else job.eos_ids, stop=config.stop,
-                             prompt_lengths=[len(prompts[i]) for i in batch], max_new_tokens=config.max_new_tokens)
         wrapped.forward_lengths = []
-        requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=list(prompts[i]),
-                                     sampling_params=params) for i in batch]
-        for row, (i, request) in enumerate(zip(batch, engine.generate(inference_requests=requests))):
+        done = generate_batch(engine, [prompts[i] for i in batch], params, vocab_size=model.vocab_size,
+                              repetition_penalty=config.repetition_penalty,
+                              eos_ids=[] if config.ignore_eos else job.eos_ids, stop=config.stop,
+                              max_new_tokens=config.max_new_tokens)
+        for row, (i, request) in enumerate(zip(batch, done)):
             mine[i] = (request.generated_tokens.tolist(), controller.finish[row])
         forward_lengths.append((number, wrapped.forward_lengths))
         if worker.rank() == 0:
