@@ -39,7 +39,7 @@ def cookbook(config, steps: int, work: Path) -> float:
 
 
 def raw_megatron(config, steps: int, work: Path) -> float:
-    from pai_cookbook.core import launch, runtime
+    from pai_cookbook.core import runtime
 
     path = config.save(work / "raw.json")
     env = runtime.detect_launch_env()
@@ -47,9 +47,7 @@ def raw_megatron(config, steps: int, work: Path) -> float:
                           env.master_addr, "--master-port", str(env.master_port),
                           str(HERE / "bench_workers" / "raw_mcore.py"), str(path), str(steps)],
                          capture_output=True, text=True, check=True,
-                         # the cookbook worker's allocator setting too (launch sets it for CPU workers)
-                         env={launch.THP_ENV: "1"} | os.environ | {"OMP_NUM_THREADS": str(os.cpu_count()),
-                                                                   "PYTHONWARNINGS": "ignore"})
+                         env=os.environ | {"OMP_NUM_THREADS": str(os.cpu_count()), "PYTHONWARNINGS": "ignore"})
     step_s = json.loads(out.stdout.strip().splitlines()[-1])["median_step_s"]
     return config.data.global_batch_size * config.data.seq_length / step_s
 

@@ -23,8 +23,6 @@ def probe(mode: str, folder: Path) -> ProbeJob:
 def test_returns_rank0_result_and_progress_events(tmp_path, capsys):
     result = launch.launch(probe("ok", tmp_path), nproc_per_node=2, run_dir=tmp_path)
     assert result["world_size"] == 2 and result["mode"] == "ok" and result["under_torchrun"]
-    # CPU workers allocate their large buffers on transparent huge pages (PyTorch's switch), GPU workers as before
-    assert result["huge_pages"] == (None if runtime.detect_device().is_cuda else "1")
     steps = [e["step"] for e in result["events"] if e["event"] == "progress"]
     assert steps == [1, 2, 3]
     assert "ordinary output line" in capsys.readouterr().out
@@ -37,9 +35,9 @@ def test_a_one_process_world_runs_without_torchrun_and_keeps_its_log(tmp_path, c
     # (with TORCHELASTIC_USE_AGENT_STORE it would wait for a rendezvous store nobody serves, and time out).
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
-    monkeypatch.setenv(launch.THP_ENV, "0")  # the caller's own choice of allocator reaches the worker unchanged
+    monkeypatch.setenv(launch.THP_ENV, "1")  # the caller's opt-in to huge pages reaches the worker
     result = launch.launch(probe("ok", tmp_path), run_dir=tmp_path, timeout_s=120)
-    assert result["world_size"] == 1 and not result["under_torchrun"] and result["huge_pages"] == "0"
+    assert result["world_size"] == 1 and not result["under_torchrun"] and result["huge_pages"] == "1"
     assert [e["step"] for e in result["events"] if e["event"] == "progress"] == [1, 2, 3]
     assert "ordinary output line" in capsys.readouterr().out
     assert "ordinary output line" in (tmp_path / "logs" / launch.SINGLE_PROCESS_LOG).read_text()

@@ -56,7 +56,9 @@ ALWAYS_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex
                           "`torch.distributed.all_gather_into_tensor` is deprecated")
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for transparent huge pages under its CPU allocator (c10's alloc_cpu: madvise(MADV_HUGEPAGE) on
-allocations of 2 MB or more); CPU workers get it unless the caller's environment sets it."""
+allocations of 2 MB or more). Opt-in: set it in the environment and every worker inherits it (SmolLM2's decode
+GEMMs 53 -> 46 ms a step in isolation, docs/megatron-core-on-cpu.md). Not the default: it changes where MKL's
+GEMMs find their operands and so their last bits, and notebook 08's tuned PPO claim did not survive that."""
 TERMINATE_GRACE_S = 5.0
 """Seconds workers get to exit after SIGTERM before SIGKILL."""
 _EVENT_DECODER = json.JSONDecoder()
@@ -398,12 +400,6 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
     else:
         argv = torchrun_argv(job.WORKER, [str(job_file)], nproc_per_node, launch_env, log_dir)
     child_env.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc_per_node)))
-    if not device.is_cuda:
-        # Weights, gradients and optimizer states live in host memory: PyTorch's allocator asks for transparent huge
-        # pages on every buffer of 2 MB or more (THP_MEM_ALLOC_ENABLE), and a matmul streaming a layer's weights
-        # misses the TLB 512x less often. Measured on SmolLM2's 121 decode GEMMs: 46 ms a step against 53 ms
-        # (docs/megatron-core-on-cpu.md). Read once, at the first allocation: it must be in the environment.
-        child_env.setdefault(THP_ENV, "1")
     # The workers' own tqdm bars (Megatron-Core's static engine draws one per generate call: a line per GRPO
     # step) would stream into the notebook as text; rank 0's progress events drive the launcher's bar instead.
     child_env.setdefault("TQDM_DISABLE", "1")
