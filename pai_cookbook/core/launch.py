@@ -57,8 +57,8 @@ ALWAYS_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for transparent huge pages under its CPU allocator (c10's alloc_cpu: madvise(MADV_HUGEPAGE) on
 allocations of 2 MB or more). Opt-in: set it in the environment and every worker inherits it (SmolLM2's decode
-GEMMs 53 -> 46 ms a step in isolation, docs/megatron-core-on-cpu.md). Not the default: it changes where MKL's
-GEMMs find their operands and so their last bits, and notebook 08's tuned PPO claim did not survive that."""
+GEMMs 53 -> 46 ms a step in isolation, docs/megatron-core-on-cpu.md). Not the default yet: its gain inside a
+whole generation step was not separated from the machine's noise."""
 TERMINATE_GRACE_S = 5.0
 """Seconds workers get to exit after SIGTERM before SIGKILL."""
 _EVENT_DECODER = json.JSONDecoder()
