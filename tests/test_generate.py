@@ -256,3 +256,21 @@ def test_an_unwritable_output_is_refused_before_generating(tmp_path, checkpoints
         assert not (tmp_path / "run" / "logs").exists()  # no worker started
     with pytest.raises(ValueError, match="is a directory"):
         generate.generate_file(ckpt, prompts, tmp_path)
+
+
+def test_a_new_batch_never_reuses_the_previous_batchs_mask():
+    # Two batches whose steps share offsets and lengths (same width, same step) but not their padding: the
+    # per-step cache of the attention must build the second batch's mask from its own padding.
+    from types import SimpleNamespace
+
+    import torch
+
+    from pai_cookbook.core import attention
+
+    context = SimpleNamespace(batch_size_offset=0, sequence_len_offset=5)
+    masks = []
+    for padding in (torch.tensor([0, 3]), torch.tensor([2, 0])):
+        setattr(context, attention.LEFT_PADDING, padding)
+        masks.append(attention._per_step(context, "mask", 2, 1, lambda p=padding: attention.left_padded_mask(p, 5, 1)))
+    assert torch.equal(masks[1], attention.left_padded_mask(torch.tensor([2, 0]), 5, 1))
+    assert not torch.equal(masks[0], masks[1])

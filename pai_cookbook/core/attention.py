@@ -82,9 +82,16 @@ def left_padded_mask(padding: torch.Tensor, start: int, length: int) -> torch.Te
 
 
 def _per_step(context, kind: str, rows: int, length: int, build):
-    """What every layer of one forward step computes alike (mask, positions), built once per step and micro-batch."""
+    """What every layer of one forward step computes alike (mask, positions), built once per step and micro-batch.
+
+    The cache belongs to the batch's padding tensor: a new batch (a new `LEFT_PADDING`) starts it afresh, so two
+    batches whose steps share offsets and lengths never share a mask."""
+    padding = getattr(context, LEFT_PADDING)
+    cached = context.__dict__.get("_cookbook_step_cache")
+    if cached is None or cached[0] is not padding:  # holding the tensor keeps its identity from being reused
+        cached = context.__dict__["_cookbook_step_cache"] = (padding, {})
+    cache = cached[1]
     key = (kind, context.batch_size_offset, rows, context.sequence_len_offset, length)
-    cache = context.__dict__.setdefault("_cookbook_step_cache", {})
     if key not in cache:
         if len(cache) > 8:  # entries of earlier steps are never asked for again
             cache.clear()
