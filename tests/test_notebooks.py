@@ -137,14 +137,17 @@ def check_rlhf(m: dict) -> None:
     assert m["rm_export_gap"] < 1e-4
     assert m["trl_accuracy"] is not None and abs(m["trl_accuracy"] - m["rm_accuracy"]) <= 0.05
     # PPO against the reward model: its held-out score up (by a point: scores span ~10) while the mean KL per
-    # completion stays within the adaptive controller's target; without the penalty and at 10x the learning
-    # rate, the KL blows past it and the proxy climbs higher while the true reward, which neither run trains
-    # on, ends a tenth or more below the penalised run's: over-optimisation (measured proxy +0.88 against
-    # +0.43, true reward 0.49 against 0.68, from 0.46).
+    # completion stays within the adaptive controller's target, and its true reward, which neither run trains on,
+    # up with it. Without the penalty and at 10x the learning rate the KL blows past the target and the proxy
+    # climbs too, but the true reward ends a tenth or more below the penalised run's: over-optimisation. Which
+    # run ends higher on the proxy is not asserted: over six seeds it went either way (4 to 2), and a CPU's
+    # rounding moves these sampled trajectories as much as a seed does. Six seeds on 64 held-out prompts
+    # measured: proxy up 3.2-3.9 and 2.0-5.8, true reward +0.14-0.19 with the penalty, 0.16-0.61 above the other.
     assert m["proxy_end_ppo"] - m["proxy_start_ppo"] >= 1.0
+    assert m["proxy_end_ppo_no_kl"] - m["proxy_start_ppo_no_kl"] >= 1.0
     assert m["kl_mean_ppo"] <= m["kl_target"]
     assert m["kl_max_ppo_no_kl"] >= 3 * m["kl_target"]
-    assert m["proxy_end_ppo_no_kl"] > m["proxy_end_ppo"]
+    assert m["true_end_ppo"] - m["true_start_ppo"] >= 0.1
     assert m["true_end_ppo"] >= m["true_end_ppo_no_kl"] + 0.1
     # GRPO: held-out sampled reward up by the 0.15 (or to 0.95); the shuffled-reward control not
     # above +0.03.
