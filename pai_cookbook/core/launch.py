@@ -242,8 +242,9 @@ class _Progress:
         if not self.enabled or event.get("event") != "progress":
             return
         if self.bar is None:
-            from tqdm.auto import tqdm
-            self.bar = tqdm(total=event["total"], desc=self.desc, file=sys.stdout)
+            from pai_cookbook.core import progress
+
+            self.bar = progress.bar(total=event["total"], desc=self.desc)
         self.bar.update(event["step"] - self.bar.n)
         metrics = {k: v for k, v in event.items() if k not in ("event", "step", "total")}
         self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in metrics.items()})
