@@ -142,12 +142,13 @@ def check_rlhf(m: dict) -> None:
     # climbs too, but the true reward ends a tenth or more below the penalised run's: over-optimisation. Which
     # run ends higher on the proxy is not asserted: over six seeds it went either way (4 to 2), and a CPU's
     # rounding moves these sampled trajectories as much as a seed does. Six seeds on 64 held-out prompts
-    # measured: proxy up 3.2-3.9 and 2.0-5.8, true reward +0.14-0.19 with the penalty, 0.16-0.61 above the other.
+    # measured: proxy up 2.7-4.0 and 2.6-5.1; the penalised true reward up 0.11-0.18 (0.14-0.19 with right-padded
+    # rollouts), so its bound is 0.05, not a tenth that the smallest barely clears; the gap 0.16-0.23.
     assert m["proxy_end_ppo"] - m["proxy_start_ppo"] >= 1.0
     assert m["proxy_end_ppo_no_kl"] - m["proxy_start_ppo_no_kl"] >= 1.0
     assert m["kl_mean_ppo"] <= m["kl_target"]
     assert m["kl_max_ppo_no_kl"] >= 3 * m["kl_target"]
-    assert m["true_end_ppo"] - m["true_start_ppo"] >= 0.1
+    assert m["true_end_ppo"] - m["true_start_ppo"] >= 0.05
     assert m["true_end_ppo"] >= m["true_end_ppo_no_kl"] + 0.1
     # GRPO: held-out sampled reward up by the 0.15 (or to 0.95); the shuffled-reward control not
     # above +0.03.

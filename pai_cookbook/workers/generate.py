@@ -8,9 +8,8 @@ Face's batched `generate` does: each row's positions count from 0 at its first r
 masked (`core.attention`), so every row computes what it would alone, and every row samples from the first
 step on. Megatron-Core's static batching right-pads instead: the longer prompts were fed one token a step
 while the shorter rows sampled, (longest - shortest) extra forward steps a batch (measured: 70 steps instead
-of 64 for SmolLM2's 8 x 64 benchmark, docs/megatron-core-on-cpu.md). The RL worker's rollouts still configure
-the controller without `left_padding` (right-padded, Megatron-Core's own way): notebook 08's tuned figures were
-measured on those trajectories.
+of 64 for SmolLM2's 8 x 64 benchmark, docs/megatron-core-on-cpu.md). The RL worker samples its rollouts through
+`generate_batch` too.
 
 The controller is subclassed only where Hugging Face semantics need something it lacks:
 - repetition penalty (HF's rule: a seen token's logit divided by the penalty if positive, multiplied

@@ -54,7 +54,6 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
     """`group_size` completions of each of `prompts` (indices into `prompt_ids`) from the engine, its sampling
     seeded by `seed`: tokens (the end token included when one ended it), the log-probability of each under
     the engine's logits (`workers.generate.token_logprobs`) and the entropy of the distribution it came from."""
-    from megatron.core.inference.inference_request import InferenceRequest
     from megatron.core.inference.sampling_params import SamplingParams
 
     controller = engine.controller
@@ -63,27 +62,23 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
     rows = [(prompt, group) for group, prompt in enumerate(prompts) for _ in range(group_size)]
     ids = [prompt_ids[prompt] for prompt, _ in rows]
     controller.sampling_rng.manual_seed(seed)
-    controller.configure(vocab_size=job.run.model.vocab_size, repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
-                         prompt_lengths=[len(i) for i in ids], max_new_tokens=job.config.max_new_tokens,
-                         track_logprobs=True)
-    first = min(len(i) for i in ids)  # the first sampling step's position: a row's token j is sampled at
-    # step len(prompt) - first + j (rows with longer prompts feed their own tokens until then)
-    requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=list(i),
-                                 sampling_params=params) for i in ids]
+    done = engine_worker.generate_batch(engine, ids, params, vocab_size=job.run.model.vocab_size,
+                                        repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
+                                        max_new_tokens=job.config.max_new_tokens, track_logprobs=True)
+    width = max(map(len, ids))  # every row is left-padded to this and samples from the first step on
     out = []
-    for row, ((prompt, group), request) in enumerate(zip(rows, engine.generate(inference_requests=requests))):
+    for row, ((prompt, group), request) in enumerate(zip(rows, done)):
         tokens = request.generated_tokens.tolist()
         finish = controller.finish[row]
         if finish == engine_worker.FINISH_EOS:  # the end token ends the row uncounted; the policy must learn it
-            end = int(controller.tokens[row, len(ids[row]) + len(tokens)])
+            end = int(controller.tokens[row, width + len(tokens)])
             if end not in job.eos_ids:
                 raise RuntimeError(f"row {row} finished on an end token, but {end} is not one of {job.eos_ids}: "
-                                   f"prompt {len(ids[row])} tokens, generated {tokens}, buffer after the prompt "
-                                   f"{controller.tokens[row, len(ids[row]):].tolist()}")
+                                   f"prompt {len(ids[row])} tokens (padded to {width}), generated {tokens}, buffer "
+                                   f"after the prompt {controller.tokens[row, width:].tolist()}")
             tokens.append(end)
-        steps = range(len(ids[row]) - first, len(ids[row]) - first + len(tokens))
-        logprobs = [float(controller.logprobs[i][row]) for i in steps]
-        entropy = [float(controller.entropies[i][row]) for i in steps]
+        logprobs = [float(controller.logprobs[i][row]) for i in range(len(tokens))]
+        entropy = [float(controller.entropies[i][row]) for i in range(len(tokens))]
         out.append({"step": step, "row": row, "prompt": prompt, "group": group, "tokens": tokens,
                     "engine_logprobs": logprobs, "entropy": entropy, "finish": finish})
     return out
