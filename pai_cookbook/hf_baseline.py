@@ -44,13 +44,18 @@ def _quiet_trl() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32,
-              device: str = "cpu") -> torch.Tensor:
-    """transformers' logits for `tokens`, computed in `dtype` on `device`, returned in fp32 on the CPU."""
+def _load(hf_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """transformers' causal LM from `hf_dir` in `dtype` on `device`, without its "Loading weights" bar."""
     from transformers import AutoModelForCausalLM
 
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+        return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+
+
+def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> torch.Tensor:
+    """transformers' logits for `tokens`, computed in `dtype` on `device`, returned in fp32 on the CPU."""
+    model = _load(hf_dir, dtype, device)
     with torch.no_grad():
         return model(tokens.to(device)).logits.float().cpu()
 
@@ -63,10 +68,7 @@ def hf_packed_token_losses(hf_dir: str | Path, batches: Sequence[dict[str, torch
     (transformers reads the boundaries from the position ids and keeps attention inside each
     conversation), `use_cache=False`. Positions holding padding get 0.
     """
-    from transformers import AutoModelForCausalLM
-
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = _load(hf_dir)
     out = []
     with torch.no_grad():
         for batch in batches:
@@ -93,11 +95,10 @@ def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config:
         {"tokens": generated ids per prompt (a final end-of-sequence token dropped, as Megatron-Core
         does), "tokens_per_s", "seconds"}.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     dtype = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.dtype]
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+    model = _load(hf_dir, dtype, device)
     eos = eos_ids(hf_dir, AutoTokenizer.from_pretrained(hf_dir)) + list(config.eos_token_ids)
     # HF switches top-k off with 0 and top-p off with 1.0 (Megatron-Core: top_p 0.0).
     decoding = ({"do_sample": False} if config.greedy else
@@ -125,11 +126,10 @@ def hf_complete(hf_dir: str | Path, prompts: Sequence[str], max_new_tokens: int 
     end-of-sequence from ending a completion earlier (tiny demo models stop early); no_repeat_ngram_size
     (Hugging Face's rule) keeps a small model from looping on one phrase.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = _load(hf_dir)
     silent = [i for i in tokenizer.all_special_ids if i != tokenizer.eos_token_id]
     completions = []
     with torch.no_grad():
