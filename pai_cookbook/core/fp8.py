@@ -270,37 +270,13 @@ def emulated_linear(base: type) -> type:
     return EmulatedFP8Linear
 
 
-def swap_linears(spec) -> None:
-    """Replace Megatron-Core's parallel linears in a layer spec (and its submodules, experts included) with
-    their emulated-FP8 versions, in place. Embedding and output layer are not in the spec: they stay bf16."""
+def emulated_linears() -> dict[type, type]:
+    """Megatron-Core's parallel linears -> their emulated-FP8 versions, for `core.model.swap_classes`. Embedding and
+    output layer are not in a layer spec: they stay bf16."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    swapped = {ColumnParallelLinear: emulated_linear(ColumnParallelLinear),
-               RowParallelLinear: emulated_linear(RowParallelLinear)}
-
-    def walk(node, seen):
-        if id(node) in seen:
-            return
-        seen.add(id(node))
-        if isinstance(node, ModuleSpec):
-            if node.module in swapped:
-                node.module = swapped[node.module]
-            walk(node.submodules, seen)
-        elif isinstance(node, type):  # a class is a leaf (a dataclass *class* is not a submodules instance)
-            return
-        elif hasattr(node, "__dataclass_fields__"):
-            for name in node.__dataclass_fields__:
-                value = getattr(node, name)
-                if isinstance(value, type) and value in swapped:
-                    setattr(node, name, swapped[value])
-                else:
-                    walk(value, seen)
-        elif isinstance(node, (list, tuple)):
-            for item in node:
-                walk(item, seen)
-
-    walk(spec, set())
+    return {ColumnParallelLinear: emulated_linear(ColumnParallelLinear),
+            RowParallelLinear: emulated_linear(RowParallelLinear)}
 
 
 def emulated_gemms(module: torch.nn.Module) -> dict[str, EmulatedGemm]:

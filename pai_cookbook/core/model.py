@@ -174,7 +174,8 @@ def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | N
     """Transformer Engine spec on CUDA with TE, Megatron-Core's local spec otherwise (and with emulated FP8,
     whose linears are the local ones with FP8 numerics: core/fp8.py).
 
-    Layers are swapped for `SeededTransformerLayer` (same parameters and forward, seeded init).
+    Layers are swapped for `SeededTransformerLayer` (same parameters and forward, seeded init); the local spec's
+    linears for `core.linear`'s (Megatron-Core's forward, shortened where no gradient is recorded at TP=1).
     """
     use_te = device.is_cuda and device.has_transformer_engine
     fp8 = getattr(config, "cookbook_fp8", None)
@@ -185,8 +186,41 @@ def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | N
     if emulated_fp8:
         from pai_cookbook.core import fp8 as fp8_numerics
 
-        fp8_numerics.swap_linears(spec)
+        swap_classes(spec, fp8_numerics.emulated_linears())
+    elif not use_te:
+        from pai_cookbook.core import linear
+
+        swap_classes(spec, linear.LEAN)
     return spec
+
+
+def swap_classes(spec, swapped: dict[type, type]) -> None:
+    """Replace every module class in a layer or block spec (submodules and experts included) that is a key of
+    `swapped` with its value, in place."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    def walk(node, seen):
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, ModuleSpec):
+            if node.module in swapped:
+                node.module = swapped[node.module]
+            walk(node.submodules, seen)
+        elif isinstance(node, type):  # a class is a leaf (a dataclass *class* is not a submodules instance)
+            return
+        elif hasattr(node, "__dataclass_fields__"):
+            for name in node.__dataclass_fields__:
+                value = getattr(node, name)
+                if isinstance(value, type) and value in swapped:
+                    setattr(node, name, swapped[value])
+                else:
+                    walk(value, seen)
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                walk(item, seen)
+
+    walk(spec, set())
 
 
 def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | None, use_te: bool):
