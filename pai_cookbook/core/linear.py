@@ -47,14 +47,11 @@ class LeanColumnParallelLinear(ColumnParallelLinear):
         self.lean = _exchanges_nothing(self)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        if not self.lean or torch.is_grad_enabled():
+        # A weight handed in (the output layer's tied embedding; not a layer-spec linear) goes through
+        # Megatron-Core's forward, which checks its shape.
+        if not self.lean or weight is not None or torch.is_grad_enabled():
             return super().forward(input_, weight, runtime_gather_output)
-        if weight is None:
-            weight = self.weight
-        elif weight.shape != (self.output_size_per_partition, self.input_size):
-            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, "
-                               f"not {(self.output_size_per_partition, self.input_size)} as expected")
-        return _matmul(self, input_, weight)
+        return _matmul(self, input_, self.weight)
 
 
 class LeanRowParallelLinear(RowParallelLinear):

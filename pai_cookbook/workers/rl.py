@@ -65,10 +65,10 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
     done = engine_worker.generate_batch(engine, ids, params, vocab_size=job.run.model.vocab_size,
                                         repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
                                         max_new_tokens=job.config.max_new_tokens, track_logprobs=True)
-    width = max(map(len, ids))  # every row is left-padded to this and samples from the first step on
     out = []
     for row, ((prompt, group), request) in enumerate(zip(rows, done)):
         tokens = request.generated_tokens.tolist()
+        width = controller.prompt_lengths[row]  # the prompt left-padded to the batch's longest
         finish = controller.finish[row]
         if finish == engine_worker.FINISH_EOS:  # the end token ends the row uncounted; the policy must learn it
             end = int(controller.tokens[row, width + len(tokens)])
