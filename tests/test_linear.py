@@ -55,3 +55,83 @@ def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_throu
     assert torch.equal(short, megatron)
     assert (short_calls, megatron_calls, trained_calls) == (1, 4 * model.num_layers + 1, 4 * model.num_layers + 1)
     assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for m in lean for p in m.parameters())
+
+
+def _static_decode(gpt, model, tokens: torch.Tensor, steps: int, left_padding: list[int] | None = None
+                   ) -> list[torch.Tensor]:
+    """Logits of a prefill over `tokens` and `steps` greedy one-token steps through Megatron-Core's static KV cache,
+    the rows left-padded by `left_padding` tokens (masked, positions from each row's first real token) if given."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from pai_cookbook.core.attention import LEFT_PADDING
+
+    rows, width = tokens.shape
+    context = StaticInferenceContext(rows, width + steps)
+    setattr(context, LEFT_PADDING, None if left_padding is None else torch.tensor(left_padding))
+    logits, positions = [], torch.arange(width).expand(rows, width)
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            out = gpt(tokens, positions, None, inference_context=context, runtime_gather_output=True)
+            logits.append(out)
+            context.sequence_len_offset += tokens.shape[1]
+            tokens = out[:, -1:, :model.vocab_size].argmax(-1)
+            positions = torch.full((rows, 1), context.sequence_len_offset)
+    return logits
+
+
+def _short_and_megatron_forward(family: str, **overrides) -> None:
+    from pai_cookbook.core.model import build_model
+
+    model = families.tiny(family, **overrides)
+    with runtime.world_of_one() as device:
+        (gpt,) = build_model(model, ParallelConfig(), PrecisionConfig(dtype="fp32"), device, seed=5)
+        gpt.eval()
+        with torch.no_grad():  # Megatron-Core initialises biases to zero, which would hide a bias left out
+            for name, param in gpt.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+        layers = list(gpt.decoder.layers)
+        short = layers + [layer.self_attention for layer in layers]
+        assert all(type(m).__name__.startswith("Lean") for m in layers) and all(m.lean for m in short), family
+        tokens = torch.randint(0, model.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+        positions = torch.arange(9).expand(3, 9)
+        long_calls = []
+        megatron_attention = layers[0]._forward_attention
+        layers[0]._forward_attention = lambda *a, **k: long_calls.append(1) or megatron_attention(*a, **k)
+        lean = _static_decode(gpt, model, tokens, steps=6)
+        lean_padded = _static_decode(gpt, model, tokens, steps=6, left_padding=[0, 3, 5])
+        with torch.no_grad():
+            lean_eval = gpt(tokens, positions, None)
+        assert not long_calls
+        for m in short:
+            m.lean = False
+        megatron = _static_decode(gpt, model, tokens, steps=6)
+        megatron_padded = _static_decode(gpt, model, tokens, steps=6, left_padding=[0, 3, 5])
+        with torch.no_grad():
+            megatron_eval = gpt(tokens, positions, None)
+        assert len(long_calls) == 15  # Megatron-Core's own forward ran: two prefills, 2 x 6 steps, the evaluation
+        for m in short:
+            m.lean = True
+        for a, b in zip(lean + lean_padded, megatron + megatron_padded, strict=True):
+            assert torch.equal(a, b), family
+        # the unpadded row computes what it did alone (to rounding: the kernel takes a mask instead of is_causal); a
+        # padded row reads other tokens (its first ones are padding)
+        assert torch.allclose(lean[0][0], lean_padded[0][0], atol=1e-5, rtol=0)
+        assert not torch.allclose(lean[0][1], lean_padded[0][1], atol=1e-5, rtol=0)
+        assert torch.equal(lean_eval, megatron_eval), family
+        assert lean[0].shape[1] == 1 and not torch.equal(lean[1], lean[2])  # last-token logits; steps differ
+        gpt.train()
+        gpt(tokens, positions, None, labels=tokens).float().mean().backward()
+        assert len(long_calls) == 16
+        assert all(p.grad is not None for m in layers for p in m.self_attention.parameters()), family
+
+
+def test_lean_layers_decode_as_megatron_core_does_bit_for_bit():
+    """`core.lean_layer`: a prefill and six KV-cached decode steps, the rows unpadded and left-padded, give the same
+    logits bit for bit with the short layer and attention forward as with Megatron-Core's, for a dense model with
+    every bias on (non-zero), an MoE model with QK norms and one with a shared expert and a QKV bias; so does a forward
+    without a cache (evaluation). With gradients on, Megatron-Core's forward runs (the short one records nothing for
+    the optimizer)."""
+    _short_and_megatron_forward("qwen2", add_bias_linear=True)
+    _short_and_megatron_forward("qwen3_moe")
+    _short_and_megatron_forward("qwen2_moe")

@@ -86,7 +86,7 @@ def _per_step(context, kind: str, rows: int, length: int, build):
 
     The cache belongs to the batch's padding tensor: a new batch (a new `LEFT_PADDING`) starts it afresh, so two
     batches whose steps share offsets and lengths never share a mask."""
-    padding = getattr(context, LEFT_PADDING)
+    padding = getattr(context, LEFT_PADDING, None)
     cached = context.__dict__.get("_cookbook_step_cache")
     if cached is None or cached[0] is not padding:  # holding the tensor keeps its identity from being reused
         cached = context.__dict__["_cookbook_step_cache"] = (padding, {})
@@ -97,6 +97,32 @@ def _per_step(context, kind: str, rows: int, length: int, build):
             cache.clear()
         cache[key] = build()
     return cache[key]
+
+
+def padding_of(context, rows: int) -> torch.Tensor | None:
+    """The left padding of the `rows` rows a static inference context is running now, or None (no padding, no
+    static context)."""
+    padding = getattr(context, LEFT_PADDING, None) if context is not None and context.is_static_batching() else None
+    return None if padding is None else padding[context.batch_size_offset:context.batch_size_offset + rows]
+
+
+def step_rotation(context, pos_emb: torch.Tensor, rows: int, length: int, mscale: float, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary frequencies at this step's positions in a static inference context, as Megatron-Core's
+    `_apply_rotary_pos_emb_bshd` makes them (`(cos(freqs) * mscale).to(dtype)`), built once a step for every layer
+    (Megatron-Core makes them again for the queries and for the keys of each layer). Left-padded rows count their
+    positions from their first real token (`left_padded_positions`). Shapes broadcast against [s, b, heads, d]."""
+    start = context.sequence_len_offset
+    padding = padding_of(context, rows)
+
+    def build():
+        if padding is None:
+            freqs = pos_emb[start:start + length]
+        else:  # [s, 1, 1, d] table indexed by [s, b] positions -> [s, b, 1, d]
+            freqs = pos_emb[left_padded_positions(padding, start, length)].squeeze(2)
+        return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
+
+    return _per_step(context, ("rotation", dtype), rows, length, build)
 
 
 def rotated_key_cache_attention(base):
@@ -115,24 +141,40 @@ def rotated_key_cache_attention(base):
     Left-padded batches (the context's `LEFT_PADDING`): each row's queries and keys are rotated at the row's own
     positions (`left_padded_positions`: from 0 at its first real token, as without padding) and its padding is
     masked (`left_padded_mask`), so a row computes what it would alone.
+
+    Where no gradient is recorded on the local spec at TP=1, the forward is `core.lean_layer.attention_forward`:
+    the same calls without Megatron-Core's scaffolding for features that are off.
     """
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 
-    def padding_of(context, rows: int) -> torch.Tensor | None:
-        padding = getattr(context, LEFT_PADDING, None) if context is not None and context.is_static_batching() \
-            else None
-        return None if padding is None else padding[context.batch_size_offset:context.batch_size_offset + rows]
+    from pai_cookbook.core import lean_layer
 
     class RotatedKeyCacheAttention(base):
-        def forward(self, hidden_states, attention_mask=None, *args, inference_context=None, **kwargs):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.lean = lean_layer.short_attention(self)
+
+        def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                    rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+            # Megatron-Core 0.16's `Attention.forward` signature, spelt out so that the short forward's conditions
+            # are plain comparisons (this runs once a layer per decode step)
             padding = padding_of(inference_context, hidden_states.size(1))  # hidden states: [s, b, h]
             if padding is not None:
                 length = hidden_states.size(0)
                 attention_mask = _per_step(inference_context, "mask", hidden_states.size(1), length, lambda: (
                     left_padded_mask(padding, inference_context.sequence_len_offset, length)))
-            return super().forward(hidden_states, attention_mask, *args, inference_context=inference_context,
-                                   **kwargs)
+            if (self.lean and not self.training and not torch.is_grad_enabled()
+                    and (inference_context is None or inference_context.is_static_batching())
+                    and key_value_states is None and rotary_pos_cos is None and rotary_pos_sin is None
+                    and rotary_pos_cos_sin is None and attention_bias is None and packed_seq_params is None
+                    and sequence_len_offset is None and inference_params is None):
+                return lean_layer.attention_forward(self, hidden_states, attention_mask, inference_context,
+                                                    rotary_pos_emb)
+            return super().forward(hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
+                                   rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias,
+                                   packed_seq_params, sequence_len_offset, inference_params=inference_params)
 
         def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
                                             *args, **kwargs):

@@ -174,8 +174,9 @@ def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | N
     """Transformer Engine spec on CUDA with TE, Megatron-Core's local spec otherwise (and with emulated FP8,
     whose linears are the local ones with FP8 numerics: core/fp8.py).
 
-    Layers are swapped for `SeededTransformerLayer` (same parameters and forward, seeded init); the local spec's
-    linears for `core.linear`'s (Megatron-Core's forward, shortened where no gradient is recorded at TP=1).
+    Layers are swapped for `SeededTransformerLayer` (same parameters and forward, seeded init); on the local spec,
+    with `core.lean_layer`'s short forward where no gradient is recorded, and the linears for `core.linear`'s
+    (Megatron-Core's forward, shortened where no gradient is recorded at TP=1).
     """
     use_te = device.is_cuda and device.has_transformer_engine
     fp8 = getattr(config, "cookbook_fp8", None)
@@ -187,11 +188,24 @@ def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | N
         from pai_cookbook.core import fp8 as fp8_numerics
 
         swap_classes(spec, fp8_numerics.emulated_linears())
-    elif not use_te:
-        from pai_cookbook.core import linear
+    if not use_te:
+        from pai_cookbook.core import lean_layer, linear
 
-        swap_classes(spec, linear.LEAN)
+        if not emulated_fp8:
+            swap_classes(spec, linear.LEAN)
+        _lean_layers(spec, lean_layer.lean_layer_class)
     return spec
+
+
+def _lean_layers(spec, lean_class) -> None:
+    """Every layer spec's module (a `SeededTransformerLayer`) with `core.lean_layer`'s short forward where no gradient
+    is recorded."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
+    for layer in {id(layer): layer for layer in layers}.values():  # an MoE block repeats its two layer specs
+        assert isinstance(layer, ModuleSpec)
+        layer.module = lean_class(layer.module)
 
 
 def swap_classes(spec, swapped: dict[type, type]) -> None:
