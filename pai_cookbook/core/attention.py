@@ -15,7 +15,7 @@ Transformer Engine, flash or memory-efficient kernels): same parameters (none), 
   training (its mask is drawn from Megatron-Core's RNG tracker), softmax variants with an offset, sliding
   windows, attention bias.
 
-`core.model.layer_spec` swaps it in wherever the local spec's `DotProductAttention` is used, unless the model
+`core.layer_spec.layer_spec` swaps it in wherever the local spec's `DotProductAttention` is used, unless the model
 asks for the unfused one (`ModelConfig.attention_backend="unfused"`, as the parity tests do).
 """
 

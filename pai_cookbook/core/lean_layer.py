@@ -18,7 +18,7 @@ the same submodules with the same ops in the same order and nothing else, so the
 Anything else (training, gradients on, TP > 1, sequence parallelism, packed sequences, Transformer Engine's spec)
 is Megatron-Core's forward, unchanged. Used by generation, RL rollouts, scoring and evaluation.
 
-`core.model.layer_spec` builds layers from `lean_layer_class` and self-attention from
+`core.layer_spec.layer_spec` builds layers from `lean_layer_class` and self-attention from
 `core.attention.rotated_key_cache_attention`, which calls `attention_forward` here, on the local spec only.
 """
 

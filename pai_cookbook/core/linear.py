@@ -13,7 +13,7 @@ TP > 1, sequence parallelism, experts spread over ranks) is Megatron-Core's own 
 Measured on SmolLM2-135M's decode step (8 rows, 30 layers, 120 of these linears a step; 2-core CPU): the
 wrappers cost ~45 us a call outside the GEMM; docs/megatron-core-on-cpu.md has the step before and after.
 
-`core.model.layer_spec` puts them wherever the local spec uses Megatron-Core's linears (not with emulated
+`core.layer_spec.layer_spec` puts them wherever the local spec uses Megatron-Core's linears (not with emulated
 FP8, whose linears are `core.fp8`'s; not in Transformer Engine's spec).
 """
 
