@@ -35,6 +35,11 @@ if [ "$#" -gt 0 ]; then
 fi
 work=$(mktemp -d)
 trap 'kill 0 2>/dev/null; rm -rf "$work"' INT TERM
+# One thread per session: the launcher gives a one-process worker every core (OMP_NUM_THREADS = cores / processes)
+# unless the environment says otherwise, so two sessions side by side ran 2 x 2 OpenMP threads on 2 cores, and
+# oversubscribed OpenMP threads wait on each other at every parallel region. Measured: two copies of notebook 06
+# side by side took 257 s with 2 threads each and 97 s with 1 (the same losses); docs/megatron-core-on-cpu.md.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "${PYTEST[@]}" -m "notebook or real_model" --basetemp "$work/notebooks" > "$work/notebooks.log" 2>&1 &
 notebooks=$!
 "${PYTEST[@]}" -m "not notebook and not real_model" --basetemp "$work/tests"
