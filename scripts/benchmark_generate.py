@@ -31,12 +31,19 @@ BENCH_MODEL = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 
 PROMPT = "The Python language reference describes the syntax and the core semantics of the language"
 
 
-def hf_batched(model, prompt_ids: list[list[int]], new_tokens: int) -> tuple[float, list]:
-    """Tokens/s of one Hugging Face `generate` over the whole batch at once (left padding + attention mask), and
-    its greedy tokens."""
+def left_padded(prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of the prompts left-padded (with id 0) to the longest, as `generate` takes a batch."""
     width = max(map(len, prompt_ids))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    return ids, mask
+
+
+def hf_batched(model, prompt_ids: list[list[int]], new_tokens: int) -> tuple[float, list]:
+    """Tokens/s of one Hugging Face `generate` over the whole batch at once (left padding + attention mask), and
+    its greedy tokens."""
+    ids, mask = left_padded(prompt_ids)
+    width = ids.shape[1]
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

@@ -65,7 +65,7 @@ def per_step(short: tuple[collections.Counter, int], long: tuple[collections.Cou
 
 
 def main() -> None:
-    from benchmark_generate import BENCH_MODEL, PROMPT
+    from benchmark_generate import BENCH_MODEL, PROMPT, left_padded
     from megatron.core.inference.sampling_params import SamplingParams
     from transformers import AutoModelForCausalLM
 
@@ -108,9 +108,7 @@ def main() -> None:
         ours = per_step(count(cookbook(SHORT)), count(cookbook(LONG)))
 
     peer = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_padded(prompts)
 
     def transformers(new_tokens: int) -> Callable[[], object]:
         def run():

@@ -99,11 +99,25 @@ def _per_step(context, kind: str, rows: int, length: int, build):
     return cache[key]
 
 
+def _left_padded(context) -> bool:
+    """Whether `context` is a static inference context running a left-padded batch."""
+    return context is not None and context.is_static_batching() and getattr(context, LEFT_PADDING, None) is not None
+
+
 def padding_of(context, rows: int) -> torch.Tensor | None:
     """The left padding of the `rows` rows a static inference context is running now, or None (no padding, no
     static context)."""
-    padding = getattr(context, LEFT_PADDING, None) if context is not None and context.is_static_batching() else None
-    return None if padding is None else padding[context.batch_size_offset:context.batch_size_offset + rows]
+    if not _left_padded(context):
+        return None
+    return getattr(context, LEFT_PADDING)[context.batch_size_offset:context.batch_size_offset + rows]
+
+
+def _step_freqs(pos_emb: torch.Tensor, padding: torch.Tensor | None, start: int, length: int) -> torch.Tensor:
+    """Rows start..start+length-1 of a [positions, 1, 1, d] rotary table ([s, 1, 1, d]), or for left-padded rows
+    each row's own positions (`left_padded_positions`: [s, b, 1, d])."""
+    if padding is None:
+        return pos_emb[start:start + length]
+    return pos_emb[left_padded_positions(padding, start, length)].squeeze(2)
 
 
 def step_rotation(context, pos_emb: torch.Tensor, rows: int, length: int, mscale: float, dtype: torch.dtype
@@ -112,14 +126,8 @@ def step_rotation(context, pos_emb: torch.Tensor, rows: int, length: int, mscale
     `_apply_rotary_pos_emb_bshd` makes them (`(cos(freqs) * mscale).to(dtype)`), built once a step for every layer
     (Megatron-Core makes them again for the queries and for the keys of each layer). Left-padded rows count their
     positions from their first real token (`left_padded_positions`). Shapes broadcast against [s, b, heads, d]."""
-    start = context.sequence_len_offset
-    padding = padding_of(context, rows)
-
-    def build():
-        if padding is None:
-            freqs = pos_emb[start:start + length]
-        else:  # [s, 1, 1, d] table indexed by [s, b] positions -> [s, b, 1, d]
-            freqs = pos_emb[left_padded_positions(padding, start, length)].squeeze(2)
+    def build():  # once a step: the cache's key holds the offsets and the batch's padding
+        freqs = _step_freqs(pos_emb, padding_of(context, rows), context.sequence_len_offset, length)
         return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
     return _per_step(context, ("rotation", dtype), rows, length, build)
@@ -160,11 +168,10 @@ def rotated_key_cache_attention(base):
                     attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
             # Megatron-Core 0.16's `Attention.forward` signature, spelt out so that the short forward's conditions
             # are plain comparisons (this runs once a layer per decode step)
-            padding = padding_of(inference_context, hidden_states.size(1))  # hidden states: [s, b, h]
-            if padding is not None:
-                length = hidden_states.size(0)
-                attention_mask = _per_step(inference_context, "mask", hidden_states.size(1), length, lambda: (
-                    left_padded_mask(padding, inference_context.sequence_len_offset, length)))
+            if _left_padded(inference_context):
+                rows, length = hidden_states.size(1), hidden_states.size(0)  # hidden states: [s, b, h]
+                attention_mask = _per_step(inference_context, "mask", rows, length, lambda: left_padded_mask(
+                    padding_of(inference_context, rows), inference_context.sequence_len_offset, length))
             if (self.lean and not self.training and not torch.is_grad_enabled()
                     and (inference_context is None or inference_context.is_static_batching())
                     and key_value_states is None and rotary_pos_cos is None and rotary_pos_sin is None
@@ -186,12 +193,10 @@ def rotated_key_cache_attention(base):
             start, length = inference_context.sequence_len_offset, key.size(0)
             padding = padding_of(inference_context, key.size(1))  # key: [s, b, groups, d]
             if padding is None:
-                k_rows = k_pos_emb[start:start + length]
-            else:  # [s, 1, 1, d] tables indexed by [s, b] positions -> [s, b, 1, d]
-                def rows():
-                    positions = left_padded_positions(padding, start, length)
-                    return k_pos_emb[positions].squeeze(2), q_pos_emb[positions].squeeze(2)
-                k_rows, q_rows = _per_step(inference_context, "rotary", key.size(1), length, rows)
+                k_rows = _step_freqs(k_pos_emb, None, start, length)
+            else:
+                k_rows, q_rows = _per_step(inference_context, "rotary", key.size(1), length, lambda: (
+                    _step_freqs(k_pos_emb, padding, start, length), _step_freqs(q_pos_emb, padding, start, length)))
             key = apply_rotary_pos_emb(key, k_rows, config=self.config,
                                        mscale=_yarn_get_concentration_factor_from_config(self.config),
                                        cp_group=self.pg_collection.cp)

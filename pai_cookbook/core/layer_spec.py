@@ -89,24 +89,11 @@ def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | N
         from pai_cookbook.core import fp8 as fp8_numerics
 
         swap_classes(spec, fp8_numerics.emulated_linears())
-    if not use_te:
-        from pai_cookbook.core import lean_layer, linear
+    elif not use_te:
+        from pai_cookbook.core import linear
 
-        if not emulated_fp8:
-            swap_classes(spec, linear.LEAN)
-        _lean_layers(spec, lean_layer.lean_layer_class)
+        swap_classes(spec, linear.LEAN)
     return spec
-
-
-def _lean_layers(spec, lean_class) -> None:
-    """Every layer spec's module (a `SeededTransformerLayer`) with `core.lean_layer`'s short forward where no gradient
-    is recorded."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
-    for layer in {id(layer): layer for layer in layers}.values():  # an MoE block repeats its two layer specs
-        assert isinstance(layer, ModuleSpec)
-        layer.module = lean_class(layer.module)
 
 
 def swap_classes(spec, swapped: dict[type, type]) -> None:
@@ -142,6 +129,10 @@ def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | 
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     seeded = _seeded_layer_class()
+    if not use_te:
+        from pai_cookbook.core.lean_layer import lean_layer_class
+
+        seeded = lean_layer_class(seeded)
     if model.is_moe:
         # The block spec places MoE and dense layers by moe_layer_freq.
         block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
