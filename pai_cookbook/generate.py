@@ -197,7 +197,8 @@ def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/gener
             worlds). More processes than a layout needs become data-parallel replicas sharing the batches.
     Returns:
         One dict per job: "tokens" (generated ids per prompt), "finish" ("eos", "stop" or "length"),
-        "tokens_per_s", "seconds", "forward_seconds" (of them, in the model's forward steps), "ranks_agree",
+        "tokens_per_s", "seconds", "forward_seconds" (of them, in the model's forward steps), "packing_seconds"
+        (before them: the weights packed for oneDNN on a CPU, core.linear.packed_for_decoding), "ranks_agree",
         "forward_lengths" (tokens per forward step, per batch).
     """
     from pai_cookbook.core import launch

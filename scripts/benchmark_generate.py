@@ -9,7 +9,9 @@ tokens/s count generation only (model loading excluded), median of `--runs`; eac
 a `generate` run and the ratio is the median of those pairs' ratios. Each engine row splits a decode step
 into the model's forward and everything else (sampling, the controller's bookkeeping). With
 the cache, N new tokens cost one prefill plus N-1 forward steps of one token; without it step i re-reads
-the whole prefix. The last line is the cookbook's ratio to batched `generate`.
+the whole prefix. "packing s": the seconds before the first step in which the worker packs the weights for oneDNN
+on a CPU (`core.linear.packed_for_decoding`), once per job like loading them, so not in tokens/s (`generate`'s
+loading is not either). The last line is the cookbook's ratio to batched `generate`.
 Not a test: on a 2-core VM the noise (about +-15%) is larger than small differences.
 """
 
@@ -92,7 +94,7 @@ def main() -> None:
 
     print(f"\n{opts.model}: {batch} prompts x {new_tokens} new tokens, fp32, TP={opts.tp}, "
           f"{torch.get_num_threads()} threads in this process, median of {opts.runs} runs")
-    print(f"{'engine':<40}{'tokens/s':>10}{'steps':>7}{'ms/step: forward':>18}{'other':>8}")
+    print(f"{'engine':<40}{'tokens/s':>10}{'steps':>7}{'ms/step: forward':>18}{'other':>8}{'packing s':>11}")
     rows = {"Megatron-Core static engine, KV cache": results[:opts.runs],
             "Megatron-Core static engine, no cache": results[opts.runs:]}
     for label, runs in rows.items():
@@ -102,7 +104,8 @@ def main() -> None:
         steps = sum(map(len, mid["forward_lengths"]))
         forward_ms = 1000 * mid["forward_seconds"] / steps
         other_ms = 1000 * (mid["seconds"] - mid["forward_seconds"]) / steps
-        print(f"{label:<40}{mid['tokens_per_s']:>10.1f}{steps:>7}{forward_ms:>18.2f}{other_ms:>8.2f}")
+        print(f"{label:<40}{mid['tokens_per_s']:>10.1f}{steps:>7}{forward_ms:>18.2f}{other_ms:>8.2f}"
+              f"{mid['packing_seconds']:>11.2f}")
     print(f"{'Hugging Face generate, batched':<40}{batched:>10.1f}")
     same = all(r["tokens"] == hf_tokens for r in results)
     print(f"greedy tokens identical to batched generate (every run): {same}")

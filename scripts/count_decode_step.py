@@ -6,8 +6,8 @@ Timings on a shared 2-core machine drift by 10-30% within minutes; these counts 
 path shows here exactly. Both sides decode the benchmark's left-padded prompts greedily (`benchmark_generate.py`),
 once with 4 and once with 12 new tokens; a step's count is the difference divided by 8, so loading, the prefill and
 the per-call set-up cancel. The cookbook's engine is built as the generation worker builds it
-(`workers.generate.build_engine`, `generate_batch`), in this process (`runtime.world_of_one`). The last line is the
-cookbook's Python calls per step over transformers'.
+(`workers.generate.build_engine`, `generate_batch`, the weights packed for oneDNN), in this process
+(`runtime.world_of_one`). The last line is the cookbook's Python calls per step over transformers'.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from pai_cookbook import convert, generate, smollm2
-    from pai_cookbook.core import checkpoint, runtime
+    from pai_cookbook.core import checkpoint, linear, runtime
     from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
     from pai_cookbook.core.model import build_model
     from pai_cookbook.core.tokenizer import MegatronView
@@ -105,7 +105,8 @@ def main() -> None:
             return lambda: generate_batch(engine, prompts, params, vocab_size=model.vocab_size, repetition_penalty=1.0,
                                           eos_ids=[], stop=[], max_new_tokens=new_tokens)
 
-        ours = per_step(count(cookbook(SHORT)), count(cookbook(LONG)))
+        with linear.packed_for_decoding(gpt, rows):  # as the worker runs a job (core.linear)
+            ours = per_step(count(cookbook(SHORT)), count(cookbook(LONG)))
 
     peer = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     ids, mask = left_padded(prompts)

@@ -28,7 +28,7 @@ def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_throu
 
     with runtime.world_of_one() as device:
         (gpt,) = build_model(model, ParallelConfig(), PrecisionConfig(dtype="fp32"), device, seed=3)
-        lean = [m for m in gpt.modules() if isinstance(m, (LeanColumnParallelLinear, LeanRowParallelLinear))]
+        lean = [m for m in gpt.decoder.modules() if isinstance(m, (LeanColumnParallelLinear, LeanRowParallelLinear))]
         assert len(lean) == 4 * model.num_layers and all(m.lean for m in lean)
         with torch.no_grad():  # Megatron-Core initialises biases to zero, which would hide a bias left out
             for m in lean:
@@ -135,3 +135,49 @@ def test_lean_layers_decode_as_megatron_core_does_bit_for_bit():
     _short_and_megatron_forward("qwen2", add_bias_linear=True)
     _short_and_megatron_forward("qwen3_moe")
     _short_and_megatron_forward("qwen2_moe")
+
+
+def _packed_and_mkl_decode(family: str) -> None:
+    from pai_cookbook.core import linear
+    from pai_cookbook.core.model import build_model
+
+    model = families.tiny(family)
+    with runtime.world_of_one() as device:
+        (gpt,) = build_model(model, ParallelConfig(), PrecisionConfig(dtype="fp32"), device, seed=7)
+        gpt.eval()
+        short = [m for m in gpt.modules() if isinstance(m, (linear.LeanColumnParallelLinear, linear.LeanRowParallelLinear))]
+        assert gpt.output_layer in short and len(short) == 4 * model.num_layers + 1, family
+        tokens = torch.randint(0, model.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+        mkl = _static_decode(gpt, model, tokens, steps=6, left_padding=[0, 3, 5])
+        with linear.packed_for_decoding(gpt, rows=3) as packed:
+            assert packed == len(short) and all(m.packed is not None for m in short), family
+            onednn = _static_decode(gpt, model, tokens, steps=6, left_padding=[0, 3, 5])
+        assert all(m.packed is None for m in short)
+        # oneDNN sums in its own order: the same logits to fp32 rounding, the same greedy tokens (each step feeds the
+        # previous step's argmax, so a different token would change every later row by far more than this)
+        for a, b in zip(mkl, onednn, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert not all(map(torch.equal, mkl, onednn))  # oneDNN ran: its last bits differ (every step, measured)
+        # weights changed between two calls (the RL worker trains between them) are packed afresh
+        with torch.no_grad():
+            gpt.embedding.word_embeddings.weight.mul_(1.5)
+            gpt.decoder.layers[0].mlp.linear_fc2.weight.mul_(-1.0)
+        changed = _static_decode(gpt, model, tokens, steps=0)
+        try:
+            with linear.packed_for_decoding(gpt, rows=3):
+                torch.testing.assert_close(_static_decode(gpt, model, tokens, steps=0)[0], changed[0], rtol=1e-5,
+                                           atol=1e-5)
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+        assert all(m.packed is None for m in short)  # dropped on the way out of an exception too
+        assert not torch.allclose(changed[0], mkl[0], rtol=1e-3, atol=1e-3)
+
+
+def test_weights_packed_for_onednn_decode_as_megatron_cores_matmul_does_to_rounding():
+    """`core.linear.packed_for_decoding`: every short linear, the output layer included (tied to the embedding for
+    Qwen2, its own weight for Llama), runs oneDNN's inner product on a packed copy inside the context; a prefill and
+    six cached steps of left-padded rows give MKL's logits to fp32 rounding and the same greedy tokens; weights
+    changed between two contexts are packed afresh; the copies are dropped on exit, an exception's included."""
+    _packed_and_mkl_decode("qwen2")
+    _packed_and_mkl_decode("llama")

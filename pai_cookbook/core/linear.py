@@ -14,10 +14,24 @@ Measured on SmolLM2-135M's decode step (8 rows, 30 layers, 120 of these linears 
 wrappers cost ~45 us a call outside the GEMM; docs/megatron-core-on-cpu.md has the step before and after.
 
 `core.layer_spec.layer_spec` puts them wherever the local spec uses Megatron-Core's linears (not with emulated
-FP8, whose linears are `core.fp8`'s; not in Transformer Engine's spec).
+FP8, whose linears are `core.fp8`'s; not in Transformer Engine's spec); `core.model.build_model` makes a language
+model's output layer one too (`make_lean`).
+
+**oneDNN's prepacked weights while decoding** (`packed_for_decoding`). PyTorch's CPU matmul is MKL's `sgemm`; for
+the few rows a decode step has (one per sequence) that is far slower than oneDNN's inner product on a weight
+reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what
+TorchInductor's CPU freezing pass uses): SmolLM2-135M's 121 GEMMs of a decode step, 8 rows, 45 -> 22 ms on this
+machine kind (AMD EPYC, 2 cores; docs/megatron-core-on-cpu.md). Inside the context every short linear of the model
+with an fp32 CPU weight uses its packed copy; the copies are made on entry from the weights as they are then and
+dropped on exit, so a model trained between two generation calls (the RL worker) is packed afresh each time. The
+sums are oneDNN's, not MKL's: logits agree to ~1e-6 relative, not bit for bit (greedy tokens equal to
+transformers' in tests/test_generate.py). Where oneDNN is not in this torch build, the context does nothing.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -32,30 +46,41 @@ def _exchanges_nothing(layer) -> bool:
 
 def _matmul(layer, input_: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Megatron-Core's forward at TP=1 without autograd: matmul with the transposed weight, the bias added
-    unless the layer hands it back (`skip_bias_add`, for a fused bias-dropout-add)."""
-    output = torch.matmul(input_, weight.t())
-    if layer.bias is not None and not layer.skip_bias_add:
-        output = output + layer.bias
+    unless the layer hands it back (`skip_bias_add`, for a fused bias-dropout-add). Inside `packed_for_decoding`,
+    oneDNN's inner product on the packed weight, the bias in the same call."""
+    bias = layer.bias if layer.bias is not None and not layer.skip_bias_add else None
+    if layer.packed is not None:
+        output = torch.ops.mkldnn._linear_pointwise(input_, layer.packed, bias, "none", [], "")
+    else:
+        output = torch.matmul(input_, weight.t())
+        if bias is not None:
+            output = output + bias
     return output, layer.bias if layer.skip_bias_add else None
 
 
 class LeanColumnParallelLinear(ColumnParallelLinear):
     """`ColumnParallelLinear` whose forward is one matmul where no gradient is recorded and TP=1 (module doc)."""
 
+    packed: torch.Tensor | None = None  # oneDNN's copy of the weight inside `packed_for_decoding`
+    packed_source: torch.Tensor | None = None  # the weight it was packed from (a tied output layer's embedding)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.lean = _exchanges_nothing(self)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        # A weight handed in (the output layer's tied embedding; not a layer-spec linear) goes through
-        # Megatron-Core's forward, which checks its shape.
-        if not self.lean or weight is not None or torch.is_grad_enabled():
+        # A weight handed in (the output layer's tied embedding) takes the short path only where it is the one
+        # packed; any other goes through Megatron-Core's forward, which checks its shape.
+        if (not self.lean or torch.is_grad_enabled() or
+                (weight is not None and (self.packed is None or weight is not self.packed_source))):
             return super().forward(input_, weight, runtime_gather_output)
-        return _matmul(self, input_, self.weight)
+        return _matmul(self, input_, self.weight if weight is None else weight)
 
 
 class LeanRowParallelLinear(RowParallelLinear):
     """`RowParallelLinear` whose forward is one matmul where no gradient is recorded and TP=1 (module doc)."""
+
+    packed: torch.Tensor | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -68,3 +93,46 @@ class LeanRowParallelLinear(RowParallelLinear):
 
 
 LEAN = {ColumnParallelLinear: LeanColumnParallelLinear, RowParallelLinear: LeanRowParallelLinear}
+
+
+def make_lean(layer: torch.nn.Module) -> None:
+    """Give a linear Megatron-Core built outside the layer spec (GPTModel's output layer) the short forward."""
+    lean = LEAN.get(type(layer))
+    if lean is not None:
+        layer.__class__ = lean
+        layer.lean = _exchanges_nothing(layer)
+
+
+def onednn_packing_available() -> bool:
+    """True where this torch build has oneDNN and the two ops `packed_for_decoding` uses."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+@contextlib.contextmanager
+def packed_for_decoding(model: torch.nn.Module, rows: int) -> Iterator[int]:
+    """Pack every short linear's fp32 CPU weight for oneDNN while the block runs (module doc); `rows` is the
+    decode step's row count, oneDNN's hint for the layout. Yields how many weights were packed (0 on CUDA, with
+    other dtypes, or without oneDNN). The packed copies are dropped on exit, also on an exception."""
+    layers = []
+    if onednn_packing_available():
+        tied = {}  # a tied output layer owns no weight: its GPTModel hands it the embedding's
+        for gpt in model.modules():
+            if getattr(gpt, "share_embeddings_and_output_weights", False) and getattr(gpt, "post_process", False):
+                tied[id(gpt.output_layer)] = gpt.shared_embedding_or_output_weight()
+        for module in model.modules():
+            if not isinstance(module, (LeanColumnParallelLinear, LeanRowParallelLinear)) or not module.lean:
+                continue
+            weight = module.weight if module.weight is not None else tied.get(id(module))
+            if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+                continue
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+            if module.weight is None:  # a plain attribute: nn.Module would register a Parameter as the layer's own
+                object.__setattr__(module, "packed_source", weight)
+            layers.append(module)
+    try:
+        yield len(layers)
+    finally:
+        for module in layers:
+            module.packed = None
+            object.__setattr__(module, "packed_source", None)

@@ -170,6 +170,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             gpt.output_layer = ScalarHead(model.hidden_size, model.init_method_std, seed)
         _params_to(gpt, config.params_dtype)
         if gpt.post_process and head == "lm":
+            if not device.is_cuda:  # the layers' short linear forward, and oneDNN's packed weight while decoding
+                from pai_cookbook.core import linear
+
+                linear.make_lean(gpt.output_layer)
             mask_vocab_padding(gpt.output_layer, model.vocab_size)
         if device.is_cuda:
             gpt.cuda(torch.cuda.current_device())

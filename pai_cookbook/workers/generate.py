@@ -221,6 +221,7 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
 
+    from pai_cookbook.core import linear
     from pai_cookbook.core.model import build_model, torch_dtype
 
     config, parallel = job.config, job.parallel
@@ -246,23 +247,27 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     mine: dict[int, tuple[list[int], str]] = {}
     forward_lengths: list[tuple[int, list[int]]] = []
     wrapped.forward_seconds = 0.0
-    start = time.perf_counter()
-    for number, batch in enumerate(batches):
-        if number % dp_size != dp_rank:
-            continue
-        controller.sampling_rng.manual_seed(config.seed * _BATCH_SEED_STRIDE + number)
-        wrapped.forward_lengths = []
-        done = generate_batch(engine, [prompts[i] for i in batch], params, vocab_size=model.vocab_size,
-                              repetition_penalty=config.repetition_penalty,
-                              eos_ids=[] if config.ignore_eos else job.eos_ids, stop=config.stop,
-                              max_new_tokens=config.max_new_tokens)
-        for row, (i, request) in enumerate(zip(batch, done)):
-            mine[i] = (request.generated_tokens.tolist(), controller.finish[row])
-        forward_lengths.append((number, wrapped.forward_lengths))
-        if worker.rank() == 0:
-            worker.progress(min((number + 1) * batch_size, len(prompts)), len(prompts))
-    seconds = time.perf_counter() - start
-    return _gather(job, mine, forward_lengths, (seconds, wrapped.forward_seconds), parallel)
+    packing = time.perf_counter()
+    # On a CPU the linears run oneDNN's inner product on weights packed once for the whole job, like loading them
+    # (core.linear.packed_for_decoding); its seconds are reported apart from the generation's.
+    with linear.packed_for_decoding(gpt, rows=batch_size):
+        start = time.perf_counter()
+        for number, batch in enumerate(batches):
+            if number % dp_size != dp_rank:
+                continue
+            controller.sampling_rng.manual_seed(config.seed * _BATCH_SEED_STRIDE + number)
+            wrapped.forward_lengths = []
+            done = generate_batch(engine, [prompts[i] for i in batch], params, vocab_size=model.vocab_size,
+                                  repetition_penalty=config.repetition_penalty,
+                                  eos_ids=[] if config.ignore_eos else job.eos_ids, stop=config.stop,
+                                  max_new_tokens=config.max_new_tokens)
+            for row, (i, request) in enumerate(zip(batch, done)):
+                mine[i] = (request.generated_tokens.tolist(), controller.finish[row])
+            forward_lengths.append((number, wrapped.forward_lengths))
+            if worker.rank() == 0:
+                worker.progress(min((number + 1) * batch_size, len(prompts)), len(prompts))
+        seconds = time.perf_counter() - start
+    return _gather(job, mine, forward_lengths, (seconds, wrapped.forward_seconds, start - packing), parallel)
 
 
 def _gather(job, mine, forward_lengths, timing: tuple[float, float], parallel) -> dict[str, Any]:
@@ -280,10 +285,11 @@ def _gather(job, mine, forward_lengths, timing: tuple[float, float], parallel) -
         for i, out in share["outputs"].items():
             agree &= merged.setdefault(i, out) == out
     tokens = [merged[i][0] for i in range(len(job.prompt_ids))]
-    slowest, forward = max(share["seconds"] for share in everyone)  # the slowest rank's total and forward time
+    slowest, forward, packing = max(share["seconds"] for share in everyone)  # the slowest rank's times
     generated = sum(len(t) for t in tokens)
     return {"label": job.label, "tokens": tokens, "finish": [merged[i][1] for i in range(len(tokens))],
-            "ranks_agree": agree, "seconds": slowest, "forward_seconds": forward, "generated_tokens": generated,
+            "ranks_agree": agree, "seconds": slowest, "forward_seconds": forward, "packing_seconds": packing,
+            "generated_tokens": generated,
             "tokens_per_s": generated / slowest if slowest > 0 else 0.0,
             "forward_lengths": [lengths for _, lengths in sorted(  # per batch, from whichever rank ran it
                 {number: lengths for share in everyone for number, lengths in share["forward_lengths"]}.items())],

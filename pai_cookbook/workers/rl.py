@@ -56,15 +56,19 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
     the engine's logits (`workers.generate.token_logprobs`) and the entropy of the distribution it came from."""
     from megatron.core.inference.sampling_params import SamplingParams
 
+    from pai_cookbook.core import linear
+
     controller = engine.controller
     params = SamplingParams(temperature=1.0, top_k=0, top_p=0.0, num_tokens_to_generate=job.config.max_new_tokens)
     params.add_attributes({"no_early_termination": True})  # ends are the cookbook controller's rule
     rows = [(prompt, group) for group, prompt in enumerate(prompts) for _ in range(group_size)]
     ids = [prompt_ids[prompt] for prompt, _ in rows]
     controller.sampling_rng.manual_seed(seed)
-    done = engine_worker.generate_batch(engine, ids, params, vocab_size=job.run.model.vocab_size,
-                                        repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
-                                        max_new_tokens=job.config.max_new_tokens, track_logprobs=True)
+    # Packed from the weights as they are now: the policy trains between two calls (core.linear).
+    with linear.packed_for_decoding(controller.inference_wrapped_model.model, rows=len(ids)):
+        done = engine_worker.generate_batch(engine, ids, params, vocab_size=job.run.model.vocab_size,
+                                            repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
+                                            max_new_tokens=job.config.max_new_tokens, track_logprobs=True)
     out = []
     for row, ((prompt, group), request) in enumerate(zip(rows, done)):
         tokens = request.generated_tokens.tolist()
