@@ -6,14 +6,15 @@ from pai_cookbook.core import families, runtime
 from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
 
 
-def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_through_it():
+def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_on_onednn():
     """A tiny Qwen2 with every bias on (the QKV bias added in the linear, the projections' biases handed back for
     the fused bias-dropout-add): logits under no_grad with the short forward equal Megatron-Core's own bit for bit,
-    and only the output layer (not in the layer spec) still goes through Megatron-Core's autograd Function then.
-    With gradients on, Megatron-Core's forward runs and every weight gets a gradient."""
+    and only the output layer (handed the tied embedding) still goes through Megatron-Core's autograd Function then.
+    With gradients on, every linear's GEMMs are oneDNN's (`_OneDNNLinear`, no Megatron-Core Function called): the
+    loss and every parameter's gradient equal Megatron-Core's (MKL's) to fp32 rounding."""
     from megatron.core.tensor_parallel import layers
 
-    from pai_cookbook.core.linear import LeanColumnParallelLinear, LeanRowParallelLinear
+    from pai_cookbook.core import linear
     from pai_cookbook.core.model import build_model
 
     model = families.tiny("qwen2", add_bias_linear=True)
@@ -26,10 +27,17 @@ def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_throu
 
     counted.warned = megatrons.warned  # the function reads its own attribute through the module's name
 
+    def gradients(loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        gpt.zero_grad()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in gpt.named_parameters()}
+
     with runtime.world_of_one() as device:
         (gpt,) = build_model(model, ParallelConfig(), PrecisionConfig(dtype="fp32"), device, seed=3)
-        lean = [m for m in gpt.decoder.modules() if isinstance(m, (LeanColumnParallelLinear, LeanRowParallelLinear))]
+        kinds = (linear.LeanColumnParallelLinear, linear.LeanRowParallelLinear)
+        lean = [m for m in gpt.decoder.modules() if isinstance(m, kinds)]
         assert len(lean) == 4 * model.num_layers and all(m.lean for m in lean)
+        assert isinstance(gpt.output_layer, kinds) and gpt.output_layer.lean
         with torch.no_grad():  # Megatron-Core initialises biases to zero, which would hide a bias left out
             for m in lean:
                 m.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
@@ -45,16 +53,26 @@ def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_throu
                     m.lean = False
                 megatron = gpt(tokens, positions, None)
                 megatron_calls = len(calls) - short_calls
-                for m in lean:
+                for m in lean + [gpt.output_layer]:
                     m.lean = True
             loss = gpt(tokens, positions, None, labels=tokens).float().mean()
-            trained_calls = len(calls) - short_calls - megatron_calls
+            onednn_calls = len(calls) - short_calls - megatron_calls
+            onednn_grads = gradients(loss)
+            for m in lean + [gpt.output_layer]:
+                m.lean = False
+            megatron_loss = gpt(tokens, positions, None, labels=tokens).float().mean()
+            trained_calls = len(calls) - short_calls - megatron_calls - onednn_calls
+            megatron_grads = gradients(megatron_loss)
         finally:
             layers.linear_with_grad_accumulation_and_async_allreduce = megatrons
-        loss.backward()
     assert torch.equal(short, megatron)
-    assert (short_calls, megatron_calls, trained_calls) == (1, 4 * model.num_layers + 1, 4 * model.num_layers + 1)
-    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for m in lean for p in m.parameters())
+    assert (short_calls, megatron_calls) == (1, 4 * model.num_layers + 1)
+    assert (onednn_calls, trained_calls) == (0, 4 * model.num_layers + 1)
+    torch.testing.assert_close(loss, megatron_loss, rtol=1e-6, atol=0)
+    assert onednn_grads.keys() == megatron_grads.keys() and all(g.abs().sum() > 0 for g in onednn_grads.values())
+    for name, grad in onednn_grads.items():  # the GEMMs sum in another order: rounding, not a different gradient
+        torch.testing.assert_close(grad, megatron_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert not all(torch.equal(g, megatron_grads[n]) for n, g in onednn_grads.items())  # oneDNN ran
 
 
 def _static_decode(gpt, model, tokens: torch.Tensor, steps: int, left_padding: list[int] | None = None
