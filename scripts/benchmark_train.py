@@ -30,13 +30,10 @@ BENCH_MODEL = {"num_hidden_layers": 8, "hidden_size": 512, "intermediate_size": 
                "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 1024}
 
 
-def cookbook(config, steps: int, work: Path, onednn: bool = True) -> float:
-    """The training worker's tokens/s; `onednn=False` turns off the linears' oneDNN GEMMs (`core.linear`) in it."""
+def cookbook(config, steps: int, work: Path) -> float:
     from pai_cookbook import train
-    from pai_cookbook.core import linear
 
-    env = {} if onednn else {linear.ONEDNN_ENV: "0"}
-    train.run(config, run_dir=work / "cookbook", show_progress=False, echo=False, env=env)
+    train.run(config, run_dir=work / "cookbook", show_progress=False, echo=False)
     lines = [json.loads(x) for x in (work / "cookbook" / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(x["tokens_per_s"] for x in lines[2:])
 
@@ -113,7 +110,6 @@ def main() -> None:
         work = Path(tmp)
         unfused = dataclasses.replace(config, model=dataclasses.replace(model, attention_backend="unfused"))
         figures = {"cookbook worker": cookbook(config, opts.steps, work),
-                   "cookbook worker, MKL's matmul": cookbook(config, opts.steps, work / "mkl", onednn=False),
                    "cookbook worker, unfused attention": cookbook(unfused, opts.steps, work / "unfused"),
                    "raw Megatron-Core loop": raw_megatron(config, opts.steps, work),
                    "HF LlamaForCausalLM + PyTorch loop": hugging_face(config, opts.steps)}

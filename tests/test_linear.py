@@ -6,15 +6,14 @@ from pai_cookbook.core import families, runtime
 from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
 
 
-def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_on_onednn():
+def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_through_it():
     """A tiny Qwen2 with every bias on (the QKV bias added in the linear, the projections' biases handed back for
     the fused bias-dropout-add): logits under no_grad with the short forward equal Megatron-Core's own bit for bit,
-    and only the output layer (handed the tied embedding) still goes through Megatron-Core's autograd Function then.
-    With gradients on, every linear's GEMMs are oneDNN's (`_OneDNNLinear`, no Megatron-Core Function called): the
-    loss and every parameter's gradient equal Megatron-Core's (MKL's) to fp32 rounding."""
+    and only the output layer (not in the layer spec) still goes through Megatron-Core's autograd Function then.
+    With gradients on, Megatron-Core's forward runs and every weight gets a gradient."""
     from megatron.core.tensor_parallel import layers
 
-    from pai_cookbook.core import linear
+    from pai_cookbook.core.linear import LeanColumnParallelLinear, LeanRowParallelLinear
     from pai_cookbook.core.model import build_model
 
     model = families.tiny("qwen2", add_bias_linear=True)
@@ -27,17 +26,11 @@ def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_on_on
 
     counted.warned = megatrons.warned  # the function reads its own attribute through the module's name
 
-    def gradients(loss: torch.Tensor) -> dict[str, torch.Tensor]:
-        gpt.zero_grad()
-        loss.backward()
-        return {name: p.grad.clone() for name, p in gpt.named_parameters()}
-
     with runtime.world_of_one() as device:
         (gpt,) = build_model(model, ParallelConfig(), PrecisionConfig(dtype="fp32"), device, seed=3)
-        kinds = (linear.LeanColumnParallelLinear, linear.LeanRowParallelLinear)
-        lean = [m for m in gpt.decoder.modules() if isinstance(m, kinds)]
+        lean = [m for m in gpt.decoder.modules() if isinstance(m, (LeanColumnParallelLinear, LeanRowParallelLinear))]
         assert len(lean) == 4 * model.num_layers and all(m.lean for m in lean)
-        assert isinstance(gpt.output_layer, kinds) and gpt.output_layer.lean
+        assert isinstance(gpt.output_layer, (LeanColumnParallelLinear, LeanRowParallelLinear))  # handed the embedding
         with torch.no_grad():  # Megatron-Core initialises biases to zero, which would hide a bias left out
             for m in lean:
                 m.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
@@ -53,26 +46,16 @@ def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_on_on
                     m.lean = False
                 megatron = gpt(tokens, positions, None)
                 megatron_calls = len(calls) - short_calls
-                for m in lean + [gpt.output_layer]:
+                for m in lean:
                     m.lean = True
             loss = gpt(tokens, positions, None, labels=tokens).float().mean()
-            onednn_calls = len(calls) - short_calls - megatron_calls
-            onednn_grads = gradients(loss)
-            for m in lean + [gpt.output_layer]:
-                m.lean = False
-            megatron_loss = gpt(tokens, positions, None, labels=tokens).float().mean()
-            trained_calls = len(calls) - short_calls - megatron_calls - onednn_calls
-            megatron_grads = gradients(megatron_loss)
+            trained_calls = len(calls) - short_calls - megatron_calls
         finally:
             layers.linear_with_grad_accumulation_and_async_allreduce = megatrons
+        loss.backward()
     assert torch.equal(short, megatron)
-    assert (short_calls, megatron_calls) == (1, 4 * model.num_layers + 1)
-    assert (onednn_calls, trained_calls) == (0, 4 * model.num_layers + 1)
-    torch.testing.assert_close(loss, megatron_loss, rtol=1e-6, atol=0)
-    assert onednn_grads.keys() == megatron_grads.keys() and all(g.abs().sum() > 0 for g in onednn_grads.values())
-    for name, grad in onednn_grads.items():  # the GEMMs sum in another order: rounding, not a different gradient
-        torch.testing.assert_close(grad, megatron_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert not all(torch.equal(g, megatron_grads[n]) for n, g in onednn_grads.items())  # oneDNN ran
+    assert (short_calls, megatron_calls, trained_calls) == (1, 4 * model.num_layers + 1, 4 * model.num_layers + 1)
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for m in lean for p in m.parameters())
 
 
 def _static_decode(gpt, model, tokens: torch.Tensor, steps: int, left_padding: list[int] | None = None
@@ -164,7 +147,9 @@ def _packed_and_mkl_decode(family: str) -> None:
         (gpt,) = build_model(model, ParallelConfig(), PrecisionConfig(dtype="fp32"), device, seed=7)
         gpt.eval()
         short = [m for m in gpt.modules() if isinstance(m, (linear.LeanColumnParallelLinear, linear.LeanRowParallelLinear))]
-        assert gpt.output_layer in short and len(short) == 4 * model.num_layers + 1, family
+        assert gpt.output_layer in short and all(m.lean for m in short), family
+        if model.num_experts is None:
+            assert len(short) == 4 * model.num_layers + 1, family
         tokens = torch.randint(0, model.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
         mkl = _static_decode(gpt, model, tokens, steps=6, left_padding=[0, 3, 5])
         with linear.packed_for_decoding(gpt, rows=3) as packed:
@@ -176,15 +161,18 @@ def _packed_and_mkl_decode(family: str) -> None:
         for a, b in zip(mkl, onednn, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert not all(map(torch.equal, mkl, onednn))  # oneDNN ran: its last bits differ (every step, measured)
-        # weights changed between two calls (the RL worker trains between them) are packed afresh
+        # weights changed between two contexts (the RL worker trains between them) are packed afresh
         with torch.no_grad():
             gpt.embedding.word_embeddings.weight.mul_(1.5)
-            gpt.decoder.layers[0].mlp.linear_fc2.weight.mul_(-1.0)
+            gpt.decoder.layers[0].self_attention.linear_proj.weight.mul_(-1.0)
         changed = _static_decode(gpt, model, tokens, steps=0)
         try:
             with linear.packed_for_decoding(gpt, rows=3):
                 torch.testing.assert_close(_static_decode(gpt, model, tokens, steps=0)[0], changed[0], rtol=1e-5,
                                            atol=1e-5)
+                with linear.packed_for_decoding(gpt, rows=1):  # an inner context gives the outer its copies back
+                    pass
+                assert all(m.packed is not None for m in short)
                 raise KeyboardInterrupt
         except KeyboardInterrupt:
             pass
@@ -194,8 +182,10 @@ def _packed_and_mkl_decode(family: str) -> None:
 
 def test_weights_packed_for_onednn_decode_as_megatron_cores_matmul_does_to_rounding():
     """`core.linear.packed_for_decoding`: every short linear, the output layer included (tied to the embedding for
-    Qwen2, its own weight for Llama), runs oneDNN's inner product on a packed copy inside the context; a prefill and
-    six cached steps of left-padded rows give MKL's logits to fp32 rounding and the same greedy tokens; weights
-    changed between two contexts are packed afresh; the copies are dropped on exit, an exception's included."""
+    Qwen2, its own weight for Llama; an MoE model's experts), runs oneDNN's inner product on a packed copy inside the
+    context; a prefill and six cached steps of left-padded rows give MKL's logits to fp32 rounding and the same greedy
+    tokens; weights changed between two contexts are packed afresh; nested contexts give the outer one its copies
+    back; the copies are dropped on exit, an exception's included."""
     _packed_and_mkl_decode("qwen2")
     _packed_and_mkl_decode("llama")
+    _packed_and_mkl_decode("qwen3_moe")

@@ -8,8 +8,7 @@ TP=1, where they return their input; each looks its tensor-parallel group up aga
 RL rollouts, evaluation) on a layer that exchanges nothing (TP=1, no sequence parallelism, no expert
 communication): then these classes compute what Megatron-Core's forward computes, with the same ops (`matmul`
 with the transposed weight, then the bias), so the outputs are bitwise the same. Anything else (gradients on,
-TP > 1, sequence parallelism, experts spread over ranks) is Megatron-Core's own forward (with gradients on at TP=1
-on a CPU, its matmul is oneDNN's: below).
+TP > 1, sequence parallelism, experts spread over ranks) is Megatron-Core's own forward, unchanged.
 
 Measured on SmolLM2-135M's decode step (8 rows, 30 layers, 120 of these linears a step; 2-core CPU): the
 wrappers cost ~45 us a call outside the GEMM; docs/megatron-core-on-cpu.md has the step before and after.
@@ -28,12 +27,10 @@ dropped on exit, so a model trained between two generation calls (the RL worker)
 sums are oneDNN's, not MKL's: logits agree to ~1e-6 relative, not bit for bit (greedy tokens equal to
 transformers' in tests/test_generate.py). Where oneDNN is not in this torch build, the context does nothing.
 
-**oneDNN in training** (`_OneDNNLinear`): where gradients are recorded, the short linears' matmul (their
-`_forward_impl`, which Megatron-Core's forward calls after its checks) runs the forward GEMM and the input gradient's
-GEMM on oneDNN, the weight as it is, and the weight's gradient on PyTorch's matmul: at 2,048 rows oneDNN took 56
-against MKL's 65 ms (forward) and 56 against 62 ms (input gradient), MKL 61 against 70 ms (weight gradient). The
-loss and gradients equal Megatron-Core's to fp32 rounding (tests/test_linear.py). `PAI_COOKBOOK_ONEDNN=0` in the
-environment turns oneDNN off in both places (MKL's matmul, Megatron-Core's own Function).
+Training keeps MKL's matmul (Megatron-Core's own Function): oneDNN's forward and input-gradient GEMMs were 3.5%
+faster a step, but changed which way notebook 08's deliberately unstable PPO run went (docs/megatron-core-on-cpu.md).
+`PAI_COOKBOOK_ONEDNN=0` in the environment of the process that imports this module (a worker inherits the
+launcher's) turns the packing off.
 """
 
 from __future__ import annotations
@@ -48,8 +45,8 @@ from megatron.core.utils import get_pg_size
 
 
 def _onednn_available() -> bool:
-    """True where this torch build has oneDNN and the two ops the cookbook calls, and the environment does not turn
-    them off (`PAI_COOKBOOK_ONEDNN=0`: MKL's matmul everywhere, as Megatron-Core computes; for comparisons)."""
+    """True where this torch build has oneDNN and the two ops `packed_for_decoding` calls, and the environment does
+    not turn them off (`PAI_COOKBOOK_ONEDNN=0`: MKL's matmul while decoding too, as Megatron-Core computes)."""
     return (os.environ.get(ONEDNN_ENV, "1") != "0" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
@@ -78,53 +75,7 @@ def _matmul(layer, input_: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Te
     return output, layer.bias if layer.skip_bias_add else None
 
 
-class _OneDNNLinear(torch.autograd.Function):
-    """`input @ weight.T + bias` over 2-D rows and its gradients, where the GEMMs of the forward and of the input's
-    gradient are oneDNN's (`_linear_pointwise`, the weight as it is: no packing, it changes every step) and the
-    weight's gradient is PyTorch's `matmul` (MKL was the faster of the two there: module doc). At TP=1 this is what
-    Megatron-Core's `linear_with_grad_accumulation_and_async_allreduce` computes when it has nothing to overlap or
-    fuse."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(rows, weight)
-        ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        rows, weight = ctx.saved_tensors
-        grad_rows = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:  # grad @ weight: a linear over the transposed weight, read in place
-            grad_rows = torch.ops.mkldnn._linear_pointwise(grad, weight.t(), None, "none", [], "")
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad.t().matmul(rows)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(0)
-        return grad_rows, grad_weight, grad_bias
-
-
-def _onednn_linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # The Function sees 2-D rows and returns a tensor of its own: a view made inside it could not be modified in
-    # place afterwards (Megatron-Core's cross entropy subtracts the row maximum from the logits in place).
-    out = _OneDNNLinear.apply(input_.reshape(-1, input_.shape[-1]), weight, bias)
-    return out.view(*input_.shape[:-1], out.shape[-1])
-
-
-class _OneDNNTraining:
-    """The linears' `_forward_impl` (the matmul of Megatron-Core's forward) on oneDNN where gradients are recorded
-    and the layer has nothing to overlap, fuse or defer (module doc); Megatron-Core's otherwise."""
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if (self.lean and ONEDNN and torch.is_grad_enabled() and weight.device.type == "cpu"
-                and weight.dtype == torch.float32
-                and not kwargs.get("gradient_accumulation_fusion") and not kwargs.get("allreduce_dgrad")
-                and not kwargs.get("sequence_parallel") and kwargs.get("grad_output_buffer") is None):
-            return _onednn_linear(input, weight, kwargs.get("bias"))
-        return super()._forward_impl(input, weight, *args, **kwargs)
-
-
-class LeanColumnParallelLinear(_OneDNNTraining, ColumnParallelLinear):
+class LeanColumnParallelLinear(ColumnParallelLinear):
     """`ColumnParallelLinear` whose forward is one matmul where no gradient is recorded and TP=1 (module doc)."""
 
     packed: torch.Tensor | None = None  # oneDNN's copy of the weight inside `packed_for_decoding`
@@ -143,7 +94,7 @@ class LeanColumnParallelLinear(_OneDNNTraining, ColumnParallelLinear):
         return _matmul(self, input_, self.weight if weight is None else weight)
 
 
-class LeanRowParallelLinear(_OneDNNTraining, RowParallelLinear):
+class LeanRowParallelLinear(RowParallelLinear):
     """`RowParallelLinear` whose forward is one matmul where no gradient is recorded and TP=1 (module doc)."""
 
     packed: torch.Tensor | None = None
@@ -175,26 +126,27 @@ def make_lean(layer: torch.nn.Module) -> None:
 def packed_for_decoding(model: torch.nn.Module, rows: int) -> Iterator[int]:
     """Pack every short linear's fp32 CPU weight for oneDNN while the block runs (module doc); `rows` is the
     decode step's row count, oneDNN's hint for the layout. Yields how many weights were packed (0 on CUDA, with
-    other dtypes, or without oneDNN). The packed copies are dropped on exit, also on an exception."""
+    other dtypes, or without oneDNN). The weights must not change inside the block (the copies would not follow);
+    the copies are dropped on exit, an exception's included, and a context around this one gets its own back."""
     layers = []
-    if ONEDNN:
-        tied = {}  # a tied output layer owns no weight: its GPTModel hands it the embedding's
-        for gpt in model.modules():
-            if getattr(gpt, "share_embeddings_and_output_weights", False) and getattr(gpt, "post_process", False):
-                tied[id(gpt.output_layer)] = gpt.shared_embedding_or_output_weight()
-        for module in model.modules():
-            if not isinstance(module, (LeanColumnParallelLinear, LeanRowParallelLinear)) or not module.lean:
-                continue
-            weight = module.weight if module.weight is not None else tied.get(id(module))
-            if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
-                continue
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-            if module.weight is None:  # a plain attribute: nn.Module would register a Parameter as the layer's own
-                object.__setattr__(module, "packed_source", weight)
-            layers.append(module)
     try:
+        if ONEDNN:
+            tied = {}  # a tied output layer owns no weight: its GPTModel hands it the embedding's
+            for gpt in model.modules():
+                if getattr(gpt, "share_embeddings_and_output_weights", False) and getattr(gpt, "post_process", False):
+                    tied[id(gpt.output_layer)] = gpt.shared_embedding_or_output_weight()
+            for module in model.modules():
+                if not isinstance(module, (LeanColumnParallelLinear, LeanRowParallelLinear)) or not module.lean:
+                    continue
+                weight = module.weight if module.weight is not None else tied.get(id(module))
+                if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+                    continue
+                layers.append((module, module.packed, getattr(module, "packed_source", None)))
+                module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+                if module.weight is None:  # a plain attribute: nn.Module would register a Parameter as its own
+                    object.__setattr__(module, "packed_source", weight)
         yield len(layers)
-    finally:
-        for module in layers:
-            module.packed = None
-            object.__setattr__(module, "packed_source", None)
+    finally:  # also where packing itself failed part way (out of memory): no layer keeps a copy
+        for module, packed, source in layers:
+            module.packed = packed
+            object.__setattr__(module, "packed_source", source)

@@ -270,7 +270,7 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     return _gather(job, mine, forward_lengths, (seconds, wrapped.forward_seconds, start - packing), parallel)
 
 
-def _gather(job, mine, forward_lengths, timing: tuple[float, float], parallel) -> dict[str, Any]:
+def _gather(job, mine, forward_lengths, timing: tuple[float, float, float], parallel) -> dict[str, Any]:
     """Collect every rank's outputs on rank 0; check that the ranks of each model replica agree."""
     from megatron.core import parallel_state as ps
 
@@ -285,7 +285,8 @@ def _gather(job, mine, forward_lengths, timing: tuple[float, float], parallel) -
         for i, out in share["outputs"].items():
             agree &= merged.setdefault(i, out) == out
     tokens = [merged[i][0] for i in range(len(job.prompt_ids))]
-    slowest, forward, packing = max(share["seconds"] for share in everyone)  # the slowest rank's times
+    slowest, forward, _ = max(share["seconds"] for share in everyone)  # the slowest rank's total and forward time
+    packing = max(share["seconds"][2] for share in everyone)
     generated = sum(len(t) for t in tokens)
     return {"label": job.label, "tokens": tokens, "finish": [merged[i][1] for i in range(len(tokens))],
             "ranks_agree": agree, "seconds": slowest, "forward_seconds": forward, "packing_seconds": packing,
