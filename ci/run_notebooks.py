@@ -14,6 +14,7 @@ import argparse
 import ast
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +24,22 @@ KERNEL = "python3"
 
 def notebooks(only: str | None = None) -> list[Path]:
     return sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb") if only is None or p.name.startswith(only))
+
+
+def _ipc_kernel_manager(folder: Path) -> type:
+    """jupyter_client's kernel manager with the kernel's sockets as files in `folder` instead of TCP ports on
+    127.0.0.1. Over TCP the manager picks five free ports and the kernel binds them a moment later; a torchrun or
+    gloo rendezvous started meanwhile by a job beside it (CI's other pytest session) can take one, and the kernel
+    dies before it starts ("Address already in use", seen once in CI)."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class IPCKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.transport = "ipc"
+            self.ip = str(folder / "ipc")  # the sockets' path prefix (a socket path has ~107 bytes: keep it short)
+
+    return IPCKernelManager
 
 
 def execute_notebook(notebook: Path, out: Path, parameters: dict | None = None) -> Path:
@@ -36,11 +53,13 @@ def execute_notebook(notebook: Path, out: Path, parameters: dict | None = None) 
     out = out.resolve()
     output_dir = out / notebook.stem
     output_dir.mkdir(parents=True, exist_ok=True)
-    papermill.execute_notebook(
-        str(notebook), str(out / notebook.name),
-        parameters={"OUTPUT_DIR": str(output_dir), **(parameters or {})},
-        cwd=str(notebook.parent), kernel_name=KERNEL, progress_bar=False, log_output=False,
-    )
+    with tempfile.TemporaryDirectory(prefix="kernel-") as sockets:
+        papermill.execute_notebook(
+            str(notebook), str(out / notebook.name),
+            parameters={"OUTPUT_DIR": str(output_dir), **(parameters or {})},
+            cwd=str(notebook.parent), kernel_name=KERNEL, progress_bar=False, log_output=False,
+            kernel_manager_class=_ipc_kernel_manager(Path(sockets)),
+        )
     return output_dir
 
 
