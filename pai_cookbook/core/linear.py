@@ -98,6 +98,7 @@ class LeanRowParallelLinear(RowParallelLinear):
     """`RowParallelLinear` whose forward is one matmul where no gradient is recorded and TP=1 (module doc)."""
 
     packed: torch.Tensor | None = None
+    packed_source: torch.Tensor | None = None  # always None: a row-parallel linear is never handed a weight
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -120,8 +121,6 @@ def make_lean(layer: torch.nn.Module) -> None:
         layer.lean = _exchanges_nothing(layer)
 
 
-
-
 @contextlib.contextmanager
 def packed_for_decoding(model: torch.nn.Module, rows: int) -> Iterator[int]:
     """Pack every short linear's fp32 CPU weight for oneDNN while the block runs (module doc); `rows` is the
@@ -141,7 +140,7 @@ def packed_for_decoding(model: torch.nn.Module, rows: int) -> Iterator[int]:
                 weight = module.weight if module.weight is not None else tied.get(id(module))
                 if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
                     continue
-                layers.append((module, module.packed, getattr(module, "packed_source", None)))
+                layers.append((module, module.packed, module.packed_source))
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
                 if module.weight is None:  # a plain attribute: nn.Module would register a Parameter as its own
                     object.__setattr__(module, "packed_source", weight)
