@@ -2,11 +2,12 @@
 Face `LlamaForCausalLM` with a plain PyTorch loop; same model, batch and precision, in one run.
 Also: data.prepare's tokens/s vs the tokenizer's own batch call.
 
-    python scripts/benchmark_train.py [--steps 12] [--seq 256] [--batch 8]
+    python scripts/benchmark_train.py [--steps 12] [--seq 256] [--batch 8] [--repeats 3]
 
-Each figure is the median step time after 2 warm-up steps, as tokens/s. Not a test: the machine's
-own noise (about +-15% on a 2-core VM) is larger than the differences it is meant to show, so it
-prints figures and the cookbook/raw ratio rather than asserting on them.
+Each figure is the median step time after 2 warm-up steps, as tokens/s. The cookbook's worker and transformers
+run in turns, `--repeats` pairs (the second of each pair first in every other pair), and the last line is the
+median of the pairs' ratios: on a 2-core VM a run's speed drifts by 10-30% within minutes, so runs far apart
+compare the machine's moods more than the programs. Not a test: it prints figures rather than asserting on them.
 """
 
 from __future__ import annotations
@@ -101,21 +102,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="cookbook / transformers pairs, run in turns")
     opts = parser.parse_args()
     model = families.from_hf(families.tiny_hf_config("llama", **BENCH_MODEL))
     config = RunConfig(model=model, data=DataConfig(seq_length=opts.seq, micro_batch_size=opts.batch,
                                                     global_batch_size=opts.batch),
                        optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5), train_iters=opts.steps)
+    pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        for i in range(opts.repeats):
+            order = ["cookbook", "transformers"] if i % 2 == 0 else ["transformers", "cookbook"]
+            figures = {name: cookbook(config, opts.steps, work / f"pair{i}") if name == "cookbook"
+                       else hugging_face(config, opts.steps) for name in order}
+            pairs.append(figures)
+            print(f"  pair {i + 1}: cookbook worker {figures['cookbook']:,.0f} tokens/s, transformers + PyTorch "
+                  f"{figures['transformers']:,.0f}: {figures['cookbook'] / figures['transformers']:.3f}x", flush=True)
         unfused = dataclasses.replace(config, model=dataclasses.replace(model, attention_backend="unfused"))
-        figures = {"cookbook worker": cookbook(config, opts.steps, work),
-                   "cookbook worker, unfused attention": cookbook(unfused, opts.steps, work / "unfused"),
-                   "raw Megatron-Core loop": raw_megatron(config, opts.steps, work),
-                   "HF LlamaForCausalLM + PyTorch loop": hugging_face(config, opts.steps)}
+        others = {"cookbook worker, unfused attention": cookbook(unfused, opts.steps, work / "unfused"),
+                  "raw Megatron-Core loop": raw_megatron(config, opts.steps, work)}
         first_rate, prepare_rate, tokenizer_rate = preprocessing(work)
     print(f"model: {model.num_layers} layers x {model.hidden_size}, vocab {model.vocab_size}; batch {opts.batch} x "
           f"seq {opts.seq}, fp32, {opts.steps} steps (median after 2 warm-up), {os.cpu_count()} CPU threads")
+    figures = {"cookbook worker": statistics.median(p["cookbook"] for p in pairs)} | others | {
+        "HF LlamaForCausalLM + PyTorch loop": statistics.median(p["transformers"] for p in pairs)}
     for name, tokens_per_s in figures.items():
         print(f"  {name:36s} {tokens_per_s:10,.0f} tokens/s")
     ratio = figures["cookbook worker"] / figures["raw Megatron-Core loop"]
@@ -123,8 +133,9 @@ def main() -> None:
     print(f"  data.prepare {prepare_rate:,.0f} tokens/s vs tokenizer batch call {tokenizer_rate:,.0f} tokens/s "
           f"(ratio {prepare_rate / tokenizer_rate:.2f}); its first call in a process {first_rate:,.0f} tokens/s "
           f"(Megatron-Core's import included)")
-    print(f"cookbook / transformers + PyTorch: "
-          f"{figures['cookbook worker'] / figures['HF LlamaForCausalLM + PyTorch loop']:.2f}x")
+    ratios = sorted(p["cookbook"] / p["transformers"] for p in pairs)
+    print(f"cookbook / transformers + PyTorch: {statistics.median(ratios):.2f}x "
+          f"(median of {len(pairs)} pairs run in turns; {ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
 if __name__ == "__main__":

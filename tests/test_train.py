@@ -199,3 +199,28 @@ def test_fused_attention_computes_what_megatron_cores_unfused_attention_does(run
     assert diff["causal"] <= 1e-5 and diff["packed"] <= 1e-5, figures
     assert diff["grads"] <= 1e-5 and figures["grad_scale"] > 1e-3, figures
     assert figures["loss"][0] == pytest.approx(figures["loss"][1], abs=1e-6)
+
+
+@pytest.mark.multiproc
+def test_training_rotary_and_swiglu_compute_what_megatron_cores_do_bit_for_bit(run_scenario):
+    """The local spec's training path rotates queries and keys without Megatron-Core's pass-through copies
+    (`core.attention.rotate`) and runs SwiGLU as one autograd function (`core.glu`): one forward/backward of each
+    model, once that way and once through Megatron-Core's `apply_rotary_pos_emb` and `MLP.forward`, gives the same
+    loss and every parameter's gradient bit for bit (so nothing trained changes: notebook 08's PPO run without the
+    KL penalty moved on a 1e-7 difference, docs/megatron-core-on-cpu.md). Grouped-query attention (Llama, also
+    bf16 and an MLP width of 100, whose vector loops end in a remainder), biases and a tied embedding (Qwen2), query
+    and key norms with experts (Qwen3-MoE, whose experts keep Megatron-Core's MLP), a sliding window (Mistral)."""
+    from pai_cookbook.core.config import PrecisionConfig
+
+    data = DataConfig(seq_length=48, micro_batch_size=3, global_batch_size=3)
+    configs = [tiny_run("llama", data=data), tiny_run("llama", data=data, precision=PrecisionConfig(dtype="bf16")),
+               tiny_run("llama", data=data, model_overrides={"ffn_hidden_size": 100}),
+               tiny_run("qwen2", data=data), tiny_run("qwen3_moe", data=data), tiny_run("mistral", data=data)]
+    runs = run_scenario.layouts(configs, nproc=1, scenario="training_ops")
+    assert [r["family"] for r in runs] == ["llama", "llama", "llama", "qwen2", "qwen3_moe", "mistral"]
+    for run in runs:
+        assert run["loss_equal"] and run["grads_equal"], run
+        # each path ran: two layers' queries and keys rotated by Megatron-Core only when asked; dense SwiGLU by ours
+        assert run["cookbook_calls"]["megatron_rotary"] == 0 and run["megatron_calls"]["megatron_rotary"] == 4, run
+        dense = run["family"] != "qwen3_moe"
+        assert run["cookbook_calls"]["swiglu"] == (2 if dense else 0) and run["megatron_calls"]["swiglu"] == 0, run

@@ -127,10 +127,25 @@ def step_rotation(context, pos_emb: torch.Tensor, rows: int, length: int, mscale
     (Megatron-Core makes them again for the queries and for the keys of each layer). Left-padded rows count their
     positions from their first real token (`left_padded_positions`). Shapes broadcast against [s, b, heads, d]."""
     def build():  # once a step: the cache's key holds the offsets and the batch's padding
-        freqs = _step_freqs(pos_emb, padding_of(context, rows), context.sequence_len_offset, length)
-        return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
+        return rotation_tables(_step_freqs(pos_emb, padding_of(context, rows), context.sequence_len_offset, length),
+                               mscale, dtype)
 
     return _per_step(context, ("rotation", dtype), rows, length, build)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`t * cos + rotate_half(t) * sin`: Megatron-Core's `_apply_rotary_pos_emb_bshd` over whole heads, not interleaved,
+    on tables made as it makes them (`step_rotation`, `rotation_tables`), without its last `torch.cat` of the rotated
+    part with an empty pass-through part, which copies the same values (and whose backward adds a tensor of zeros
+    to the gradient)."""
+    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+    return t * cos + _rotate_half(t, False) * sin
+
+
+def rotation_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of rotary frequencies as `_apply_rotary_pos_emb_bshd` makes them: `(cos(freqs) * mscale).to(dtype)`."""
+    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
 def rotated_key_cache_attention(base):
@@ -152,6 +167,13 @@ def rotated_key_cache_attention(base):
 
     Where no gradient is recorded on the local spec at TP=1, the forward is `core.lean_layer.attention_forward`:
     the same calls without Megatron-Core's scaffolding for features that are off.
+
+    Without an inference context (training, scoring with gradients) on unpacked rows, where Megatron-Core would rotate
+    queries and keys with one table over whole heads, unfused and not interleaved, they are rotated by `rotate` right
+    after the projection (in `_adjust_key_value_for_inference`, which `Attention.forward` calls between the two) and
+    `Attention.forward` is handed no embedding to apply: the same elementwise products and sums, so the same values
+    and gradients bit for bit, without two copies of the queries and keys a layer forward and three backward
+    (tests/test_train.py).
     """
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
@@ -162,6 +184,10 @@ def rotated_key_cache_attention(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.lean = lean_layer.short_attention(self)
+            config = self.config
+            self.rotates_unfused = not (config.apply_rope_fusion or config.fused_single_qkv_rope or config.flash_decode
+                                        or config.rotary_interleaved or config.multi_latent_attention)
+            self._rotate_after_projection = False  # set by forward for the call in progress
 
         def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                     rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
@@ -179,12 +205,28 @@ def rotated_key_cache_attention(base):
                     and sequence_len_offset is None and inference_params is None):
                 return lean_layer.attention_forward(self, hidden_states, attention_mask, inference_context,
                                                     rotary_pos_emb)
-            return super().forward(hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
-                                   rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias,
-                                   packed_seq_params, sequence_len_offset, inference_params=inference_params)
+            self._rotate_after_projection = (
+                self.rotates_unfused and inference_context is None and inference_params is None
+                and packed_seq_params is None and key_value_states is None and rotary_pos_emb is not None
+                and lean_layer.rotates_whole_heads(self, rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
+                                                    else (rotary_pos_emb,) * 2))
+            try:
+                return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
+                                       rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
+                                       attention_bias, packed_seq_params, sequence_len_offset,
+                                       inference_params=inference_params)
+            finally:
+                self._rotate_after_projection = False
 
         def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
                                             *args, **kwargs):
+            if self._rotate_after_projection and inference_context is None and rotary_pos_emb is not None:
+                # rotary_pos_emb is None here on a layer Megatron-Core's `no_rope_freq` exempts
+                query, key, value, _, mask_type, block_table = super()._adjust_key_value_for_inference(
+                    inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
+                cos, sin = rotation_tables(rotary_pos_emb[0], _yarn_get_concentration_factor_from_config(self.config),
+                                           query.dtype)
+                return rotate(query, cos, sin), rotate(key, cos, sin), value, None, mask_type, block_table
             if (inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None
                     or self.config.flash_decode or self.config.multi_latent_attention):
                 return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,

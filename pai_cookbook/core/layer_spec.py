@@ -4,9 +4,10 @@ Megatron-Core's local (pure PyTorch) one otherwise, and the cookbook's classes s
 - Every layer is a `SeededTransformerLayer` (seeded by its global layer number, experts by their global index), so
   one seed builds one model at every TP/PP/VPP/EP layout.
 - On the local spec: the core attention on PyTorch's fused kernel (`core.attention.SDPAttention`), self-attention
-  keeping rotated keys in the static KV cache (`core.attention.rotated_key_cache_attention`), and the layers, the
-  attention and the linears with a short forward where no gradient is recorded (`core.lean_layer`, `core.linear`);
-  with emulated FP8 the linears are `core.fp8`'s.
+  keeping rotated keys in the static KV cache and rotating without Megatron-Core's extra copies in training
+  (`core.attention.rotated_key_cache_attention`), dense MLPs computing SwiGLU as one autograd function
+  (`core.glu`, adopted by the layer), and the layers, the attention and the linears with a short forward where no
+  gradient is recorded (`core.lean_layer`, `core.linear`); with emulated FP8 the linears are `core.fp8`'s.
 """
 
 from __future__ import annotations

@@ -60,8 +60,10 @@ def _short_mlp(layer) -> bool:
     """True where the layer's MLP is Megatron-Core's dense `MLP` with its activation unfused."""
     from megatron.core.transformer.mlp import MLP
 
+    from pai_cookbook.core.glu import GatedMLP
+
     config = layer.config
-    return (type(layer.mlp) is MLP and not config.use_te_activation_func and not config.bias_activation_fusion)
+    return (type(layer.mlp) in (MLP, GatedMLP) and not config.use_te_activation_func and not config.bias_activation_fusion)
 
 
 def _short_layer(layer) -> bool:
@@ -76,11 +78,17 @@ def _short_layer(layer) -> bool:
 
 
 def lean_layer_class(base):
-    """`base` (a `TransformerLayer`) with the short forward of the module doc where nothing needs more."""
+    """`base` (a `TransformerLayer`) with the short forward of the module doc where nothing needs more, its dense
+    MLP adopted as a `core.glu.GatedMLP`."""
+    from megatron.core.transformer.mlp import MLP
+
+    from pai_cookbook.core.glu import GatedMLP
 
     class LeanTransformerLayer(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            if type(self.mlp) is MLP:
+                GatedMLP.adopt(self.mlp)
             self.lean = _short_layer(self)
             self.lean_mlp = _short_mlp(self)
 
@@ -125,7 +133,7 @@ def short_attention(attention) -> bool:
             and not attention.offload_qkv_linear and not attention.offload_attn_proj)
 
 
-def _rotates_whole_heads(attention, rotary_pos_emb) -> bool:
+def rotates_whole_heads(attention, rotary_pos_emb) -> bool:
     """True where Megatron-Core would rotate queries and keys with one table, over the whole head, unfused and not
     interleaved: the case `attention_forward` rotates with `core.attention.step_rotation`'s tables."""
     config = attention.config
@@ -144,21 +152,20 @@ def attention_forward(attention, hidden_states: Tensor, attention_mask: Tensor |
     `core.attention.rotated_key_cache_attention` does) with the step's cos and sin, made once for every layer
     (`core.attention.step_rotation`): `t * cos + rotate_half(t) * sin`, Megatron-Core's `_apply_rotary_pos_emb_bshd`
     on the same tables, whose last `torch.cat` with an empty pass-through part copies the same values."""
-    from megatron.core.models.common.embeddings.rope_utils import _rotate_half, apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 
-    from pai_cookbook.core.attention import step_rotation
+    from pai_cookbook.core.attention import rotate, step_rotation
 
     if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
         rotary_pos_emb = (rotary_pos_emb,) * 2
     query, key, value = attention.get_query_key_value_tensors(hidden_states, None, split_qkv=True, output_gate=False)
     config = attention.config
     if (rotary_pos_emb is not None and inference_context is not None
-            and _rotates_whole_heads(attention, rotary_pos_emb)):
+            and rotates_whole_heads(attention, rotary_pos_emb)):
         cos, sin = step_rotation(inference_context, rotary_pos_emb[0], key.size(1), key.size(0),
                                  _yarn_get_concentration_factor_from_config(config), key.dtype)
-        query = query * cos + _rotate_half(query, False) * sin
-        key = key * cos + _rotate_half(key, False) * sin
+        query, key = rotate(query, cos, sin), rotate(key, cos, sin)
         rotary_pos_emb = None  # applied: the cache stores these keys as they are
     query, key, value, rotary_pos_emb, mask_type, _ = attention._adjust_key_value_for_inference(
         inference_context, query, key, value, rotary_pos_emb)

@@ -17,6 +17,9 @@ Job: Scenario(config, scenario, layouts)
   attention    the model built twice from one seed, with PyTorch's fused attention and with Megatron-Core's
                unfused one: logits of a causal batch and of packed rows (block-diagonal mask), the loss and
                every parameter's gradient of one backward pass, and each build's core-attention class
+  training_ops per config in `layouts` (one seed, TP=1): one forward/backward with the cookbook's training-path
+               rotary embedding and SwiGLU (core.attention, core.glu) and with Megatron-Core's own, and whether the
+               losses and every gradient are the same bit for bit; how often each path ran
   fp8_scales   two forward/backward passes of one batch at the loaded weights, no optimizer step; then each
                FP8 GEMM's delayed-scaling scales, from Transformer Engine or from the emulated backend
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
@@ -145,6 +148,48 @@ def attention(config: RunConfig, device) -> dict:
             "core_attention": [fused["core_attention"], unfused["core_attention"]]}
 
 
+def training_ops(configs: list[RunConfig], device) -> dict:
+    import megatron.core.transformer.attention as megatron_attention
+
+    from pai_cookbook.core import glu
+    from pai_cookbook.workers.train import model_forward
+
+    calls = {"megatron_rotary": 0, "swiglu": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return call
+
+    megatron_attention.apply_rotary_pos_emb = counted("megatron_rotary", megatron_attention.apply_rotary_pos_emb)
+    glu.swiglu = counted("swiglu", glu.swiglu)
+    out = []
+    for config in configs:
+        (gpt,) = build_model(config.model, config.parallel, config.precision, device, config.seed)
+        generator = torch.Generator().manual_seed(config.seed)
+        tokens = torch.randint(0, config.model.vocab_size, (3, config.data.seq_length), generator=generator)
+        runs = {}
+        for cookbook_ops in (True, False):
+            for module in gpt.modules():
+                if isinstance(module, glu.GatedMLP):
+                    module.plain_swiglu = cookbook_ops
+                if hasattr(module, "rotates_unfused"):
+                    module.rotates_unfused = cookbook_ops
+            gpt.zero_grad(set_to_none=True)
+            calls.update(megatron_rotary=0, swiglu=0)
+            loss = model_forward(gpt, {"tokens": tokens, "labels": tokens.roll(-1, 1)}).float().mean()
+            loss.backward()
+            runs[cookbook_ops] = (loss.detach(), [p.grad.clone() for p in gpt.parameters()], dict(calls))
+        (loss, grads, ours), (reference_loss, reference_grads, megatrons) = runs[True], runs[False]
+        out.append({"family": config.model.family, "dtype": config.precision.dtype,
+                    "loss_equal": torch.equal(loss, reference_loss),
+                    "grads_equal": all(torch.equal(a, b) for a, b in zip(grads, reference_grads, strict=True)),
+                    "max_grad_diff": max(float((a - b).abs().max()) for a, b in zip(grads, reference_grads)),
+                    "cookbook_calls": ours, "megatron_calls": megatrons})
+    return {"runs": out}
+
+
 def token_losses(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
     from pai_cookbook.core import checkpoint
@@ -238,6 +283,8 @@ def main(job: Scenario) -> dict:
             return token_losses(config, device)
         if job.scenario == "fp8_scales":
             return fp8_scales(config, device)
+        if job.scenario == "training_ops":
+            return training_ops(job.layouts, device)
         return train(config, device)
 
 
