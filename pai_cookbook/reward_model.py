@@ -79,6 +79,7 @@ class RewardModelJob(Job):
 
     WORKER: ClassVar[str] = "pai_cookbook.workers.reward"
     SPANS_NODES: ClassVar[bool] = True
+    REPEATED_STEPS: ClassVar[bool] = True
 
     run: RunConfig
     rm: RewardModelConfig

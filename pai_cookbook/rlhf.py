@@ -177,6 +177,7 @@ class RLJob(Job):
 
     WORKER: ClassVar[str] = "pai_cookbook.workers.rl"
     SPANS_NODES: ClassVar[bool] = True
+    REPEATED_STEPS: ClassVar[bool] = True
 
     run: RunConfig
     """Model, layout, precision, optimizer, checkpoints (load_dir: the starting policy)."""

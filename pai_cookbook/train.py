@@ -99,6 +99,7 @@ class Sweep(Job):
 
     WORKER: ClassVar[str] = "pai_cookbook.workers.sweep"
     SPANS_NODES: ClassVar[bool] = True
+    REPEATED_STEPS: ClassVar[bool] = True
 
     names: list[str]
     folders: list[str]

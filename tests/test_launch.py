@@ -13,7 +13,7 @@ import pytest
 from pai_cookbook.core import launch, runtime, worker
 from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
 from tests.conftest import tiny_run
-from tests.workers.launch_probe import ProbeJob
+from tests.workers.launch_probe import ProbeJob, SteppingProbeJob
 
 
 def probe(mode: str, folder: Path) -> ProbeJob:
@@ -38,9 +38,18 @@ def test_a_one_process_world_runs_without_torchrun_and_keeps_its_log(tmp_path, c
     monkeypatch.setenv(launch.THP_ENV, "1")  # the caller's opt-in to huge pages reaches the worker
     result = launch.launch(probe("ok", tmp_path), run_dir=tmp_path, timeout_s=120)
     assert result["world_size"] == 1 and not result["under_torchrun"] and result["huge_pages"] == "1"
+    assert result["glibc_tunables"] is None  # a job without repeated steps keeps glibc's defaults
     assert [e["step"] for e in result["events"] if e["event"] == "progress"] == [1, 2, 3]
     assert "ordinary output line" in capsys.readouterr().out
     assert "ordinary output line" in (tmp_path / "logs" / launch.SINGLE_PROCESS_LOG).read_text()
+
+
+def test_cpu_workers_of_repeated_steps_keep_freed_memory_unless_the_environment_says(tmp_path, monkeypatch):
+    monkeypatch.delenv(launch.GLIBC_TUNABLES_ENV, raising=False)
+    job = SteppingProbeJob(mode="ok", run_dir=str(tmp_path))
+    assert launch.launch(job, run_dir=tmp_path / "a", echo=False)["glibc_tunables"] == launch.KEEP_FREED_MEMORY
+    monkeypatch.setenv(launch.GLIBC_TUNABLES_ENV, "glibc.malloc.arena_max=2")  # the caller's own: kept as it is
+    assert launch.launch(job, run_dir=tmp_path / "b", echo=False)["glibc_tunables"] == "glibc.malloc.arena_max=2"
 
 
 def test_a_one_process_crash_raises_with_its_log_tail(tmp_path):
@@ -92,7 +101,7 @@ def _launcher_with_hanging_workers(tmp_path: Path, nproc: int = 2) -> tuple[subp
     # SIGINT handled as a notebook kernel handles it, even when this test runs in the background (a shell
     # without job control starts background jobs, and so their children, with SIGINT ignored).
     code = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            f"from pai_cookbook.core import launch; from tests.workers.launch_probe import ProbeJob; "
+            f"from pai_cookbook.core import launch; from tests.workers.launch_probe import ProbeJob, SteppingProbeJob; "
             f"launch.launch(ProbeJob(mode='hang', run_dir={str(tmp_path)!r}), nproc_per_node={nproc}, "
             f"run_dir={str(tmp_path)!r})")
     caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

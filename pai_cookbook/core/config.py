@@ -283,6 +283,7 @@ class RunConfig(Job):
 
     WORKER: ClassVar[str] = "pai_cookbook.workers.train"
     SPANS_NODES: ClassVar[bool] = True
+    REPEATED_STEPS: ClassVar[bool] = True
 
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -50,6 +50,9 @@ class Job:
     SPANS_NODES: ClassVar[bool] = False
     """True for jobs whose world grows with the nodes of a multi-node job (training); False for jobs of
     a fixed world (conversion, parity, generation), which node 0 runs alone."""
+    REPEATED_STEPS: ClassVar[bool] = False
+    """True for jobs that run steps of the same shapes many times (training, RL, reward models): on a CPU the
+    launcher has glibc keep freed memory for the next step (`core.launch.KEEP_FREED_MEMORY`)."""
 
     def check(self, world_size: int, device: Any) -> None:
         """Raise ConfigError if this job cannot run on `world_size` processes of `device`."""

@@ -1,6 +1,6 @@
 """Workers for tests/test_launch.py (no Megatron: they test the launcher alone).
 
-Job: ProbeJob(mode, run_dir)
+Job: ProbeJob(mode, run_dir) (SteppingProbeJob: the same, declaring REPEATED_STEPS)
   ok     every rank joins a gloo group; rank 0 reports 3 progress steps and returns a result
   crash  the last rank raises (rank 1 of 2, rank 0 of 1); rank 0 of 2 waits in a barrier it never leaves
   hang   every rank writes its pid to RUN_DIR/pid.RANK and sleeps until killed
@@ -28,6 +28,13 @@ class ProbeJob(worker.Job):
     run_dir: str
 
 
+@dataclass(kw_only=True)
+class SteppingProbeJob(ProbeJob):
+    """A probe that declares repeated steps, as training jobs do."""
+
+    REPEATED_STEPS: ClassVar[bool] = True
+
+
 @worker.entry(ProbeJob)
 def main(job: ProbeJob) -> dict | None:
     mode, run_dir = job.mode, job.run_dir
@@ -53,7 +60,7 @@ def main(job: ProbeJob) -> dict | None:
         print("ordinary output line", flush=True)
         # torchrun names its run in every worker's environment
         return {"world_size": dist.get_world_size(), "mode": mode, "under_torchrun": "TORCHELASTIC_RUN_ID" in os.environ,
-                "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE")}
+                "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE"), "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
     finally:
         dist.destroy_process_group()
 
