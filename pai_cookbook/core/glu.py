@@ -3,8 +3,8 @@
 Without fused activations (the local spec: every CPU run) `MLP.forward` computes SwiGLU as autograd records it:
 fc1's output chunked into a gate and a linear half, `silu(gate) * (linear + glu_linear_offset)`. Its backward
 makes each half's gradient as a tensor of its own and `torch.chunk`'s backward then copies both into one for fc1,
-and the forward's `linear + 0.0` copies the linear half: on the benchmark model (8 x 256 rows, 1,376 wide) two
-copies of 22 MB and one of 11 MB a layer, each step.
+and the forward's `linear + 0.0` copies the linear half: on the benchmark model (8 x 256 rows, 1,376 wide) a copy
+of 22 MB and one of 11 MB a layer, each step.
 
 `swiglu` is the same arithmetic with the gradients written where fc1's backward reads them: the linear half's
 `grad * silu(gate)` and the gate half's `silu_backward(grad * linear, gate)` (autograd's formulas for a product and
