@@ -185,8 +185,8 @@ def rotated_key_cache_attention(base):
             super().__init__(*args, **kwargs)
             self.lean = lean_layer.short_attention(self)
             config = self.config
-            self.rotates_unfused = not (config.apply_rope_fusion or config.fused_single_qkv_rope or config.flash_decode
-                                        or config.rotary_interleaved or config.multi_latent_attention)
+            # interleaved rotation and multi-latent attention: `lean_layer.rotates_whole_heads`, asked per call
+            self.rotates_unfused = not (config.apply_rope_fusion or config.fused_single_qkv_rope or config.flash_decode)
             self._rotate_after_projection = False  # set by forward for the call in progress
 
         def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,

@@ -57,13 +57,12 @@ def _dense_mlp(mlp, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
 
 
 def _short_mlp(layer) -> bool:
-    """True where the layer's MLP is Megatron-Core's dense `MLP` with its activation unfused."""
-    from megatron.core.transformer.mlp import MLP
-
+    """True where the layer's MLP is Megatron-Core's dense `MLP` (adopted as a `GatedMLP`) with its activation
+    unfused."""
     from pai_cookbook.core.glu import GatedMLP
 
     config = layer.config
-    return (type(layer.mlp) in (MLP, GatedMLP) and not config.use_te_activation_func and not config.bias_activation_fusion)
+    return type(layer.mlp) is GatedMLP and not config.use_te_activation_func and not config.bias_activation_fusion
 
 
 def _short_layer(layer) -> bool:
