@@ -137,6 +137,7 @@ def build(config: RunConfig, device: DeviceInfo, head: str = "lm"):
         lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
         wd_incr_steps=config.train_iters, wd_incr_style="constant",
     )
+    fuse_cpu_adam(optimizer)
     tconfig.grad_scale_func = optimizer.scale_loss
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
@@ -320,13 +321,37 @@ def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, asset
                                     keep_last=ckpt.keep_last, assets=assets, **state)
 
 
+def fuse_cpu_adam(optimizer) -> None:
+    """Make Megatron-Core's Adam on CPU tensors torch's fused AdamW kernel rather than its per-tensor loop.
+
+    Without Transformer Engine or Apex, `get_megatron_optimizer` builds `torch.optim.AdamW` with torch's default
+    implementation, which for CPU tensors is a Python loop of about ten ATen ops a tensor, each a pass over it (torch
+    defaults to its fused kernels on accelerators only). With them, on GPU, Megatron-Core steps with TE's or Apex's
+    fused Adam. torch's fused kernel does the same update in one pass: on the benchmark model (32M parameters, fp32,
+    2 cores) the optimizer step drops from about 65 to 32 ms. Its arithmetic is the loop's in another order, so
+    parameters differ in the last bits (4.8e-7 after six steps in a probe), as TE's fused Adam differs from
+    both. Applied to every group of every torch Adam under `optimizer` (chained, mixed precision or distributed)
+    whose parameters are on CPU; also after a checkpoint's load, whose saved groups carry their own `fused`.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if not isinstance(adam, torch.optim.Adam):  # AdamW is one; TE's and Apex's FusedAdam are not
+            continue
+        for group in adam.param_groups:
+            if all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"]) \
+                    and not group["differentiable"]:
+                group["fused"], group["foreach"] = True, False
+
+
 def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | None]:
     """Resume from save_dir's latest checkpoint, or start from load_dir's weights; returns (step, source)."""
     ckpt = config.checkpoint
     modules = [m.module for m in model]
     latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
     if latest:
-        return checkpoint.load_training(modules, optimizer, scheduler, latest[0]), str(latest[0])
+        step = checkpoint.load_training(modules, optimizer, scheduler, latest[0])
+        fuse_cpu_adam(optimizer)
+        return step, str(latest[0])
     if ckpt.load_dir:
         checkpoint.load(modules, ckpt.load_dir)
         optimizer.reload_model_params()  # bf16: refresh the fp32 master copies from the loaded weights

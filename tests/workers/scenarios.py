@@ -20,6 +20,10 @@ Job: Scenario(config, scenario, layouts)
   training_ops per config in `layouts` (one seed, TP=1): one forward/backward with the cookbook's training-path
                rotary embedding and SwiGLU (core.attention, core.glu) and with Megatron-Core's own, and whether the
                losses and every gradient are the same bit for bit; how often each path ran
+  adam         per config in `layouts`: three training steps with the optimizer `build` makes and with the same
+               optimizer put back on torch's per-tensor loop; whether every Adam group was fused, the largest
+               loss and parameter differences between the two, and (with a save_dir) the groups' `fused` after a
+               save and a resume
   fp8_scales   two forward/backward passes of one batch at the loaded weights, no optimizer step; then each
                FP8 GEMM's delayed-scaling scales, from Transformer Engine or from the emulated backend
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
@@ -244,6 +248,44 @@ def grads(configs: list[RunConfig]) -> dict:
     return {"runs": out}
 
 
+def adam(configs: list[RunConfig]) -> dict:
+    from pai_cookbook.workers.train import _restore, build, save_if_due, train_step
+
+    def groups(optimizer):
+        return [g for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+                for g in inner.optimizer.param_groups]
+
+    out = []
+    for config, device in zip(configs, runtime.each_layout((c.parallel, c.seed) for c in configs)):
+        runs = {}
+        for fused in (True, False):
+            model, optimizer, scheduler = build(config, device)
+            built_fused = [g["fused"] for g in groups(optimizer)]
+            if not fused:
+                for group in groups(optimizer):
+                    group["fused"] = None  # torch's default: the per-tensor loop on CPU
+            losses = [train_step(config, model, optimizer, scheduler, step)["loss"] for step in range(3)]
+            # what Adam updates: the model's parameters in fp32, the fp32 main copies with bf16, or this rank's shards
+            params = [p.detach().clone() for group in groups(optimizer) for p in group["params"]]
+            runs[fused] = (built_fused, losses, params)
+            if fused:
+                save_if_due(config, model, optimizer, scheduler, config.train_iters, None)
+        restored = {}
+        if config.checkpoint.save_dir:
+            model, optimizer, scheduler = build(config, device)
+            for group in groups(optimizer):
+                group["fused"] = None  # so that only the restore can set it again
+            step, _ = _restore(config, model, optimizer, scheduler)
+            restored = {"restored_step": step, "restored_fused": [g["fused"] for g in groups(optimizer)]}
+        (built, losses, params), (_, loop_losses, loop_params) = runs[True], runs[False]
+        out.append({"dtype": config.precision.dtype, "distributed": config.optimizer.use_distributed_optimizer,
+                    "built_fused": built, **restored, "losses": losses,
+                    "loss_diff": max(abs(a - b) for a, b in zip(losses, loop_losses)),
+                    "param_diff": max(float((a - b).abs().max()) for a, b in zip(params, loop_params)),
+                    "params_equal": all(torch.equal(a, b) for a, b in zip(params, loop_params))})
+    return {"runs": out}
+
+
 def layouts(configs: list[RunConfig]) -> dict:
     devices = runtime.each_layout((c.parallel, c.seed) for c in configs)
     return {"runs": [train(config, device) for config, device in zip(configs, devices)]}
@@ -265,9 +307,9 @@ class Scenario(worker.Job):
 @worker.entry(Scenario)
 def main(job: Scenario) -> dict:
     config = job.config
-    if job.scenario in ("layouts", "grads"):
+    if job.scenario in ("layouts", "grads", "adam"):
         with worker.session():
-            return layouts(job.layouts) if job.scenario == "layouts" else grads(job.layouts)
+            return {"layouts": layouts, "grads": grads, "adam": adam}[job.scenario](job.layouts)
     with worker.session(config.parallel, config.seed) as device:
         if job.scenario == "rng":
             return rng(config)
