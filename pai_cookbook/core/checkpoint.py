@@ -238,7 +238,11 @@ def _training_state(chunks, optimizer, scheduler, step: int, is_loading: bool) -
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state = _state(chunks)
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    # The distributed optimizer's state as each DP rank holds it, Megatron-LM's default. Megatron-Core's own default
+    # ('fully_sharded_model_space') builds flattened-range shards that its checkpointing refuses to save. A resume
+    # is at the saved layout only (`layout`), so resharding in DP alone is enough. The other optimizers ignore it.
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                      metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     state["scheduler"] = scheduler.state_dict()
     state["step"] = step
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -268,18 +272,64 @@ def read_state(ckpt: str | Path) -> dict[str, Any]:
     return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("state", {})
 
 
+def _distributed_torch_adams(optimizer) -> list:
+    """The distributed optimizers under `optimizer` that step torch's Adam (no Transformer Engine or Apex: CPU).
+
+    Megatron-Core 0.16 loads their state as it does TE's and Apex's Adam, which keep the step count in the parameter
+    groups, and torch's Adam keeps it in each parameter's state. Two consequences, handled in `load_training` (which
+    also loads under `torch.no_grad()`: the fp32 shards it copies into are views of fp32 weights).
+    - `DistributedOptimizer.sharded_state_dict(is_loading=True)` reads one step count from the per-parameter state,
+      which is empty before the first step.
+    - `DistributedOptimizer.load_state_dict` hands every parameter the same step tensor (which torch's Adam would
+      increment once per parameter), and the parameter state's load then copies the step of the state it was given
+      to load into (the filled one) over it. `load_training` sets each parameter's step from the saved groups."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(inner, DistributedOptimizer) and isinstance(inner.optimizer, torch.optim.Adam)]
+
+
+def _fill_adam_state(inner) -> None:
+    """Give a fresh distributed optimizer's torch Adam its per-parameter state (what the load overwrites): a step
+    on zero gradients at learning rate 0, as Megatron-Core fills it for its FSDP format, so that neither the update
+    nor the weight decay moves a weight."""
+    adam = inner.optimizer
+    if adam.state:
+        return
+    rates = [group["lr"] for group in adam.param_groups]
+    for group in adam.param_groups:
+        group["lr"] = 0.0
+    try:
+        inner._init_optimizer_states_with_dummy_values()
+    finally:
+        for group, rate in zip(adam.param_groups, rates):
+            group["lr"] = rate
+
+
 def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
     """Restore model, optimizer, LR schedule and RNG from a training checkpoint; returns its step."""
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    torch_adams = _distributed_torch_adams(optimizer)
+    for inner in torch_adams:
+        _fill_adam_state(inner)
     state = dist_checkpointing.load(_training_state(chunks, optimizer, scheduler, 0, is_loading=True), str(ckpt))
     if len(chunks) == 1:
         chunks[0].load_state_dict(state["model"])
     else:
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(state[f"model{i}"])
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the fp32 weights
+        optimizer.load_state_dict(state["optimizer"])
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for index, inner in enumerate(chained):
+        if inner in torch_adams:
+            saved = state["optimizer"] if len(chained) == 1 else state["optimizer"][index]
+            (step,) = {group["step"] for group in saved["optimizer"]["param_groups"]}
+            for param_state in inner.optimizer.state.values():  # its own tensor each, as torch's Adam counts them
+                param_state["step"] = torch.tensor(float(step), dtype=param_state["step"].dtype,
+                                                   device=param_state["step"].device)
     scheduler.load_state_dict(state["scheduler"])
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])

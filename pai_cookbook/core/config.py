@@ -344,12 +344,6 @@ class RunConfig(Job):
             _require(micro_batches % pp == 0,
                      f"the interleaved schedule needs micro-batches per step ({micro_batches}) divisible by "
                      f"PP={pp}; raise global_batch_size to a multiple of {micro_x_dp * pp}.")
-        # Megatron-Core 0.16's distributed optimizer describes its state in flattened ranges by default, which its
-        # own checkpointing refuses ("ShardedTensor.flattened_range is not supported"), at the first save.
-        _require(not (self.optimizer.use_distributed_optimizer and self.checkpoint.save_dir),
-                 "use_distributed_optimizer=True cannot save training checkpoints here: Megatron-Core 0.16 refuses "
-                 "its optimizer state's default checkpoint format. Set use_distributed_optimizer=False (each DP "
-                 "rank then holds the whole optimizer state), or train without checkpoint.save_dir.")
         if device is not None:
             if self.precision.fp8 is not None:
                 self.precision.fp8.resolve_backend(device)

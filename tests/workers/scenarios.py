@@ -22,8 +22,9 @@ Job: Scenario(config, scenario, layouts)
                losses and every gradient are the same bit for bit; how often each path ran
   adam         per config in `layouts`: three training steps with the optimizer `build` makes and with the same
                optimizer put back on torch's per-tensor loop; whether every Adam group was fused, the largest
-               loss and parameter differences between the two, and (with a save_dir) the groups' `fused` after a
-               save and a resume
+               loss and parameter differences between the two; the first run saved after its third step and
+               went on two more, and a resume from that save takes the same two steps: their losses, the resumed
+               step and the resumed groups' `fused`
   fp8_scales   two forward/backward passes of one batch at the loaded weights, no optimizer step; then each
                FP8 GEMM's delayed-scaling scales, from Transformer Engine or from the emulated backend
 The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COMPAT_SKIP leaves a
@@ -270,13 +271,14 @@ def adam(configs: list[RunConfig]) -> dict:
             runs[fused] = (built_fused, losses, params)
             if fused:
                 save_if_due(config, model, optimizer, scheduler, config.train_iters, None)
-        restored = {}
-        if config.checkpoint.save_dir:
-            model, optimizer, scheduler = build(config, device)
-            for group in groups(optimizer):
-                group["fused"] = None  # so that only the restore can set it again
-            step, _ = _restore(config, model, optimizer, scheduler)
-            restored = {"restored_step": step, "restored_fused": [g["fused"] for g in groups(optimizer)]}
+                onwards = [train_step(config, model, optimizer, scheduler, step)["loss"] for step in (3, 4)]
+        model, optimizer, scheduler = build(config, device)
+        for group in groups(optimizer):
+            group["fused"] = None  # so that only the restore can set it again
+        step, _ = _restore(config, model, optimizer, scheduler)
+        restored = {"restored_step": step, "restored_fused": [g["fused"] for g in groups(optimizer)],
+                    "onwards": onwards,
+                    "resumed": [train_step(config, model, optimizer, scheduler, step)["loss"] for step in (3, 4)]}
         (built, losses, params), (_, loop_losses, loop_params) = runs[True], runs[False]
         out.append({"dtype": config.precision.dtype, "distributed": config.optimizer.use_distributed_optimizer,
                     "built_fused": built, **restored, "losses": losses,
