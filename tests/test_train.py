@@ -233,22 +233,25 @@ def test_cpu_training_steps_with_torchs_fused_adam_and_resumes_exactly(run_scena
     65 -> 32 ms). Three steps with it and with the loop: losses within 1e-6 and the parameters Adam updates within
     1e-6 (the same update in another order; measured at most 4.8e-7 and 4.6e-7, a few last bits of a norm weight
     near 1), but not equal bit for bit, which shows the fused kernel ran. Two ranks (DP=2): in fp32, with bf16
-    mixed precision (fp32 main parameters), and with the distributed optimizer. Each fused run saves after its
-    third step and goes on two more; a resume from that save fuses the groups again and takes the same two steps
-    with exactly the same losses. With the distributed optimizer that needs `core.checkpoint`'s handling of torch's
+    mixed precision (fp32 main parameters), and with the distributed optimizer (also for a Mixtral at EP=2, whose
+    experts get an optimizer of their own in Megatron-Core's chain). Each fused run saves after its third step and
+    goes on two more; a resume from that save fuses the groups again and takes the same two steps with exactly the
+    same losses. With the distributed optimizer that needs `core.checkpoint`'s handling of torch's
     Adam under Megatron-Core's distributed optimizer (its state filled before the load, each step count set after:
     without it the second resumed step's loss differed by 5.6e-4)."""
     from pai_cookbook.core.config import PrecisionConfig
 
     data = DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=4)
 
-    def run(name, distributed=False, **fields):
-        return tiny_run(data=data, train_iters=3, checkpoint=CheckpointConfig(save_dir=str(tmp_path / name)),
+    def run(name, family="llama", distributed=False, **fields):
+        return tiny_run(family, data=data, train_iters=3, checkpoint=CheckpointConfig(save_dir=str(tmp_path / name)),
                         optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, use_distributed_optimizer=distributed),
                         **fields)
 
-    configs = [run("fp32"), run("bf16", precision=PrecisionConfig(dtype="bf16")), run("dist", distributed=True)]
+    configs = [run("fp32"), run("bf16", precision=PrecisionConfig(dtype="bf16")), run("dist", distributed=True),
+               run("moe", "mixtral", distributed=True, parallel=ParallelConfig(expert_model_parallel_size=2))]
     runs = run_scenario.layouts(configs, nproc=2, scenario="adam")
+    assert [(r["family"], r["chained"]) for r in runs] == [("llama", 1)] * 3 + [("mixtral", 2)]
     for r in runs:
         assert r["built_fused"] and all(r["built_fused"]), r
         assert r["restored_step"] == 3 and all(r["restored_fused"]), r

@@ -323,9 +323,10 @@ def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
     with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the fp32 weights
         optimizer.load_state_dict(state["optimizer"])
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    for index, inner in enumerate(chained):
+    # one state per chained optimizer, in the order ChainedOptimizer.load_state_dict gives them out
+    saved_states = [state["optimizer"]] if len(chained) == 1 else [v for _, v in sorted(state["optimizer"].items())]
+    for inner, saved in zip(chained, saved_states, strict=True):
         if inner in torch_adams:
-            saved = state["optimizer"] if len(chained) == 1 else state["optimizer"][index]
             (step,) = {group["step"] for group in saved["optimizer"]["param_groups"]}
             for param_state in inner.optimizer.state.values():  # its own tensor each, as torch's Adam counts them
                 param_state["step"] = torch.tensor(float(step), dtype=param_state["step"].dtype,

@@ -280,7 +280,8 @@ def adam(configs: list[RunConfig]) -> dict:
                     "onwards": onwards,
                     "resumed": [train_step(config, model, optimizer, scheduler, step)["loss"] for step in (3, 4)]}
         (built, losses, params), (_, loop_losses, loop_params) = runs[True], runs[False]
-        out.append({"dtype": config.precision.dtype, "distributed": config.optimizer.use_distributed_optimizer,
+        out.append({"family": config.model.family, "chained": len(getattr(optimizer, "chained_optimizers", [optimizer])),
+                    "dtype": config.precision.dtype, "distributed": config.optimizer.use_distributed_optimizer,
                     "built_fused": built, **restored, "losses": losses,
                     "loss_diff": max(abs(a - b) for a, b in zip(losses, loop_losses)),
                     "param_diff": max(float((a - b).abs().max()) for a, b in zip(params, loop_params)),
