@@ -272,8 +272,14 @@ def read_state(ckpt: str | Path) -> dict[str, Any]:
     return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("state", {})
 
 
-def _distributed_torch_adams(optimizer) -> list:
-    """The distributed optimizers under `optimizer` that step torch's Adam (no Transformer Engine or Apex: CPU).
+def chained_optimizers(optimizer) -> list:
+    """The optimizers `get_megatron_optimizer` made: a `ChainedOptimizer`'s each (one for dense parameters, one for
+    experts at EP > 1, ...), or `optimizer` itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _distributed_torch_adams(chained: list) -> list:
+    """Those of `chained` that are distributed optimizers stepping torch's Adam (no Transformer Engine or Apex: CPU).
 
     Megatron-Core 0.16 loads their state as it does TE's and Apex's Adam, which keep the step count in the parameter
     groups, and torch's Adam keeps it in each parameter's state. Two consequences, handled in `load_training` (which
@@ -285,7 +291,7 @@ def _distributed_torch_adams(optimizer) -> list:
       to load into (the filled one) over it. `load_training` sets each parameter's step from the saved groups."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    return [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+    return [inner for inner in chained
             if isinstance(inner, DistributedOptimizer) and isinstance(inner.optimizer, torch.optim.Adam)]
 
 
@@ -311,7 +317,8 @@ def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    torch_adams = _distributed_torch_adams(optimizer)
+    chained = chained_optimizers(optimizer)
+    torch_adams = _distributed_torch_adams(chained)
     for inner in torch_adams:
         _fill_adam_state(inner)
     state = dist_checkpointing.load(_training_state(chunks, optimizer, scheduler, 0, is_loading=True), str(ckpt))
@@ -322,7 +329,6 @@ def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
             chunk.load_state_dict(state[f"model{i}"])
     with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the fp32 weights
         optimizer.load_state_dict(state["optimizer"])
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
     # one state per chained optimizer, in the order ChainedOptimizer.load_state_dict gives them out
     saved_states = [state["optimizer"]] if len(chained) == 1 else [v for _, v in sorted(state["optimizer"].items())]
     for inner, saved in zip(chained, saved_states, strict=True):

@@ -333,7 +333,7 @@ def fuse_cpu_adam(optimizer) -> None:
     both. Applied to every group of every torch Adam under `optimizer` (chained, mixed precision or distributed)
     whose parameters are on CPU; also after a checkpoint's load, whose saved groups carry their own `fused`.
     """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in checkpoint.chained_optimizers(optimizer):
         adam = getattr(inner, "optimizer", None)
         if not isinstance(adam, torch.optim.Adam):  # AdamW is one; TE's and Apex's FusedAdam are not
             continue

@@ -250,11 +250,11 @@ def grads(configs: list[RunConfig]) -> dict:
 
 
 def adam(configs: list[RunConfig]) -> dict:
+    from pai_cookbook.core.checkpoint import chained_optimizers
     from pai_cookbook.workers.train import _restore, build, save_if_due, train_step
 
     def groups(optimizer):
-        return [g for inner in getattr(optimizer, "chained_optimizers", [optimizer])
-                for g in inner.optimizer.param_groups]
+        return [g for inner in chained_optimizers(optimizer) for g in inner.optimizer.param_groups]
 
     out = []
     for config, device in zip(configs, runtime.each_layout((c.parallel, c.seed) for c in configs)):
@@ -280,7 +280,7 @@ def adam(configs: list[RunConfig]) -> dict:
                     "onwards": onwards,
                     "resumed": [train_step(config, model, optimizer, scheduler, step)["loss"] for step in (3, 4)]}
         (built, losses, params), (_, loop_losses, loop_params) = runs[True], runs[False]
-        out.append({"family": config.model.family, "chained": len(getattr(optimizer, "chained_optimizers", [optimizer])),
+        out.append({"family": config.model.family, "chained": len(chained_optimizers(optimizer)),
                     "dtype": config.precision.dtype, "distributed": config.optimizer.use_distributed_optimizer,
                     "built_fused": built, **restored, "losses": losses,
                     "loss_diff": max(abs(a - b) for a, b in zip(losses, loop_losses)),
