@@ -8,7 +8,7 @@
 # 1. installs the cookbook into that Python without replacing its torch (a constraint pins the installed
 #    version; pip refuses rather than swap it) and prints the versions it runs on;
 # 2. runs `pytest -m gpu` (tests/test_gpu.py); the figures go to OUT/gpu_results.json, pass/fail to
-#    OUT/gpu_junit.xml;
+#    OUT/gpu_junit.xml; then the training and generation benchmarks on the GPU (OUT/benchmark_*.txt);
 # 3. executes the notebooks on the GPUs: 03 in bf16, data parallel over every GPU; 04 in bf16 around the FP8
 #    GEMMs (Transformer Engine on compute capability 8.9+, else emulated) on one GPU; 06 and 08 (one process)
 #    as they are; the others with their own 2-way layouts (TP/PP/EP 2) when there are 2 GPUs or more. NCCL
@@ -51,6 +51,11 @@ fi
 status=0
 PAI_COOKBOOK_GPU_RESULTS="$(cd "$out" && pwd)/gpu_results.json" \
   "$PYTHON" -m pytest tests -m gpu -q -rs --timeout 1200 --junitxml "$out/gpu_junit.xml" || status=$?
+
+# The benchmarks' GPU mode: Llama-3.2-1B's shape in bf16, the cookbook against transformers eager and compiled
+# (ratios on each output's last line)
+"$PYTHON" scripts/benchmark_train.py --device cuda | tee "$out/benchmark_train.txt" || status=$?
+"$PYTHON" scripts/benchmark_generate.py --device cuda | tee "$out/benchmark_generate.txt" || status=$?
 
 # 03: data parallel over every GPU in bf16 (4 samples per GPU per micro-batch, one micro-batch per step)
 "$PYTHON" ci/run_notebooks.py --out "$out" --only 03 -p PRECISION bf16 -p NPROC "$gpus" \

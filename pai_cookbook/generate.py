@@ -198,8 +198,9 @@ def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/gener
     Returns:
         One dict per job: "tokens" (generated ids per prompt), "finish" ("eos", "stop" or "length"),
         "tokens_per_s", "seconds", "forward_seconds" (of them, in the model's forward steps), "packing_seconds"
-        (before them: the weights packed for oneDNN on a CPU, core.linear.packed_for_decoding), "ranks_agree",
-        "forward_lengths" (tokens per forward step, per batch).
+        (before them: the weights packed for oneDNN on a CPU, cpu.linear.packed_for_decoding), "ranks_agree",
+        "forward_lengths" (tokens per forward step, per batch), "layers" (what computed it:
+        `core.runtime.layer_record`).
     """
     from pai_cookbook.core import launch
 
@@ -209,7 +210,7 @@ def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/gener
         layout.check(model, job.parallel, world, purpose="infer")
     result = launch.launch(GenerationBatch(jobs=list(jobs)), nproc_per_node=world, run_dir=run_dir, echo=False,
                            show_progress=show_progress, timeout_s=timeout_s)
-    return result["jobs"]
+    return [job | {"layers": result["layers"]} for job in result["jobs"]]
 
 
 def check_output_file(path: Path) -> None:

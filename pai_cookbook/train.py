@@ -136,7 +136,7 @@ def sweep(runs: Mapping[str, RunConfig], *, nproc_per_node: int = 1, run_dir: st
         preflight(config, world)
     job = Sweep(names=list(runs), folders=list(folders.values()), runs=list(runs.values()))
     result = launcher.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
-    return dict(zip(runs, result["runs"]))
+    return {name: run | {"layers": result["layers"]} for name, run in zip(runs, result["runs"])}
 
 
 def logged_steps(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -159,14 +159,34 @@ def history(run_dir: str | Path) -> dict[str, Any]:
     A step logged twice (a launch killed after logging it but before its checkpoint, then resumed)
     keeps its last record: the one the checkpoints continue from.
     Returns:
-        {"steps", "losses", "valid_losses" ([(step, loss)]), "tokens_per_s", "mfu"}, in step order; with
+        {"steps", "losses", "valid_losses" ([(step, loss)]), "tokens_per_s", "mfu" (against the GPUs' datasheet
+        peak; None on a CPU or an unknown GPU), "mfu_of_measured_peak" (against the matmul peak measured at the
+        start)}, in step order; with
         emulated FP8 also "fp8": per step, per linear and operand, amax, scale, overflow and underflow.
     """
     records = logged_steps(run_dir)
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
             "valid_losses": [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r],
-            "tokens_per_s": [r["tokens_per_s"] for r in records], "mfu": [r["mfu"] for r in records]} | (
+            "tokens_per_s": [r["tokens_per_s"] for r in records], "mfu": [r["mfu"] for r in records],
+            "mfu_of_measured_peak": [r.get("mfu_of_measured_peak") for r in records]} | (
         {"fp8": [r["fp8"] for r in records]} if records and "fp8" in records[0] else {})
+
+
+def utilization(curve: dict[str, Any]) -> dict[str, float | None]:
+    """The mean over a `history` of MFU (model FLOP/s against the GPUs' datasheet dense peak: None on a CPU or a GPU
+    `core.runtime.DATASHEET_DENSE_TFLOPS` lacks) and of the fraction of the matmul peak measured at the start."""
+    def mean(values: list) -> float | None:
+        return None if not values or any(v is None for v in values) else sum(values) / len(values)
+
+    return {"mfu": mean(curve["mfu"]), "mfu_of_measured_peak": mean(curve["mfu_of_measured_peak"])}
+
+
+def describe_utilization(figures: dict[str, float | None]) -> str:
+    """`utilization`'s figures in words, each under its own name (a CPU has no datasheet MFU)."""
+    measured = f"{figures['mfu_of_measured_peak']:.1%} of the measured matmul peak"
+    if figures["mfu"] is None:
+        return f"MFU: no datasheet peak for this device; {measured}"
+    return f"MFU {figures['mfu']:.1%} (of the datasheet peak); {measured}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 Hugging Face `generate` batched with left padding, on the same weights, prompts and new-token count.
 
     python scripts/benchmark_generate.py [--model tiny|smollm2] [--new-tokens N] [--batch B] [--runs 3] [--tp 1]
+    python scripts/benchmark_generate.py --device cuda     # a GPU (ci/gpu.sh runs it)
 
 `tiny`: a 4-layer x 256 Llama-style model (~3M parameters, 256-token vocabulary), 4 prompts x 128 tokens.
 `smollm2`: the real SmolLM2-135M-Instruct (`pai_cookbook.smollm2`), 8 prompts x 64 tokens.
@@ -10,9 +11,13 @@ a `generate` run and the ratio is the median of those pairs' ratios. Each engine
 into the model's forward and everything else (sampling, the controller's bookkeeping). With
 the cache, N new tokens cost one prefill plus N-1 forward steps of one token; without it step i re-reads
 the whole prefix. "packing s": the seconds before the first step in which the worker packs the weights for oneDNN
-on a CPU (`core.linear.packed_for_decoding`), once per job like loading them, so not in tokens/s (`generate`'s
+on a CPU (`cpu.linear.packed_for_decoding`), once per job like loading them, so not in tokens/s (`generate`'s
 loading is not either). The last line is the cookbook's ratio to batched `generate`.
 Not a test: on a 2-core VM the noise (about +-15%) is larger than small differences.
+
+`--device cuda`: Llama-3.2-1B's shape (random weights), bf16, 8 prompts of 8-40 tokens x 128 new tokens, the cookbook
+(its layers as `core.runtime.choose_layers` decides there) against batched `generate` eager and with its forward
+under `torch.compile` (a static cache); the ratios come last.
 """
 
 from __future__ import annotations
@@ -41,16 +46,57 @@ def left_padded(prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask
 
 
-def hf_batched(model, prompt_ids: list[list[int]], new_tokens: int) -> tuple[float, list]:
+def hf_batched(model, prompt_ids: list[list[int]], new_tokens: int, **settings) -> tuple[float, list]:
     """Tokens/s of one Hugging Face `generate` over the whole batch at once (left padding + attention mask), and
     its greedy tokens."""
-    ids, mask = left_padded(prompt_ids)
+    ids, mask = (t.to(model.device) for t in left_padded(prompt_ids))
     width = ids.shape[1]
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
+                             do_sample=False, pad_token_id=0, **settings)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     return len(prompt_ids) * new_tokens / (time.perf_counter() - start), out[:, width:].tolist()
+
+
+def on_gpu(opts) -> None:
+    """The GPU mode (module doc)."""
+    from benchmark_train import GPU_MODEL
+    from transformers import AutoModelForCausalLM
+
+    from pai_cookbook import convert, generate
+    from pai_cookbook.core import runtime
+    from pai_cookbook.generate import GenerationConfig
+    from pai_cookbook.tiny_models import make_tiny_hf_model
+
+    batch, new_tokens = opts.batch or 8, opts.new_tokens or 128
+    work = Path(tempfile.mkdtemp(prefix="bench_generate_"))
+    hf = make_tiny_hf_model("llama", work / "hf", **GPU_MODEL)
+    convert.hf_to_megatron(hf, work / "mcore")
+    words = (PROMPT + " ") * 4
+    records = [{"prompt": " ".join(words.split()[:6 + 4 * i]), "line": i + 1} for i in range(batch)]
+    config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True, repetition_penalty=1.0, batch_size=batch,
+                              dtype="bf16")
+    job = generate.prepare(work / "mcore", records, config, None, "gpu")
+    ours = [generate.run_jobs([job], run_dir=work / f"run-{i}", show_progress=False)[0] for i in range(opts.runs)]
+    peer = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).to("cuda")
+    hf_batched(peer, job.prompt_ids, 8)  # warm-up
+    eager = [hf_batched(peer, job.prompt_ids, new_tokens) for _ in range(opts.runs)]
+    peer.forward = torch.compile(peer.forward, mode="reduce-overhead", fullgraph=True)
+    compiled = [hf_batched(peer, job.prompt_ids, new_tokens, cache_implementation="static")
+                for _ in range(opts.runs + 1)][1:]  # the first call compiles
+    rate = {name: statistics.median(r[0] for r in runs) for name, runs in (("eager", eager), ("compiled", compiled))}
+    mine = statistics.median(r["tokens_per_s"] for r in ours)
+    lengths = [len(p) for p in job.prompt_ids]
+    print(f"{runtime.detect_device().name}, layers {ours[0]['layers']['layers']}: Llama-3.2-1B shape, bf16, {batch} "
+          f"prompts of {min(lengths)}-{max(lengths)} tokens x {new_tokens} new tokens, median of {opts.runs} runs")
+    print(f"  cookbook static engine, KV cache  {mine:10.1f} tokens/s")
+    print(f"  transformers generate, eager      {rate['eager']:10.1f} tokens/s")
+    print(f"  transformers generate, compiled   {rate['compiled']:10.1f} tokens/s")
+    print(f"greedy tokens identical to eager generate: {ours[0]['tokens'] == eager[0][1]}")
+    print(f"cookbook / transformers eager: {mine / rate['eager']:.2f}x; "
+          f"cookbook / transformers compiled: {mine / rate['compiled']:.2f}x")
 
 
 def main() -> None:
@@ -67,7 +113,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="prompts, decoded as one batch")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU mode (module doc)")
     opts = parser.parse_args()
+    if opts.device == "cuda":
+        on_gpu(opts)
+        return
     real = opts.model == "smollm2"
     batch, new_tokens = opts.batch or (8 if real else 4), opts.new_tokens or (64 if real else 128)
     work = Path(tempfile.mkdtemp(prefix="bench_generate_"))

@@ -3,11 +3,17 @@ Face `LlamaForCausalLM` with a plain PyTorch loop; same model, batch and precisi
 Also: data.prepare's tokens/s vs the tokenizer's own batch call.
 
     python scripts/benchmark_train.py [--steps 12] [--seq 256] [--batch 8] [--repeats 3]
+    python scripts/benchmark_train.py --device cuda     # a GPU: the 1B shape in bf16 (ci/gpu.sh runs it)
 
 Each figure is the median step time after 2 warm-up steps, as tokens/s. The cookbook's worker and transformers
 run in turns, `--repeats` pairs (the second of each pair first in every other pair), and the last line is the
 median of the pairs' ratios: on a 2-core VM a run's speed drifts by 10-30% within minutes, so runs far apart
 compare the machine's moods more than the programs. Not a test: it prints figures rather than asserting on them.
+
+On a GPU (`--device cuda`) the model is Llama-3.2-1B's shape (16 layers x 2,048, GQA 32/8 heads, 128,256-token
+vocabulary), bf16, sequences of 2,048, micro-batch 4, global batch 8, synthetic tokens: the cookbook's worker (its
+layers as `core.runtime.choose_layers` decides there) against transformers + PyTorch (fp32 weights under bf16
+autocast, SDPA, fused AdamW) eager and under `torch.compile`; the ratios come last.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ HERE = Path(__file__).resolve().parent
 # An 8-layer Llama-style model, 512 wide, GQA 8/4 heads, 8k vocabulary: about 30M parameters.
 BENCH_MODEL = {"num_hidden_layers": 8, "hidden_size": 512, "intermediate_size": 1376, "num_attention_heads": 8,
                "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 1024}
+# Llama-3.2-1B's shape (random weights): what the GPU mode trains.
+GPU_MODEL = {"num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 2048,
+             "tie_word_embeddings": True, "rope_theta": 500000.0}
+GPU_SEQ, GPU_MICRO_BATCH, GPU_BATCH = 2048, 4, 8
 
 
 def cookbook(config, steps: int, work: Path) -> float:
@@ -53,26 +64,59 @@ def raw_megatron(config, steps: int, work: Path) -> float:
     return config.data.global_batch_size * config.data.seq_length / step_s
 
 
-def hugging_face(config, steps: int) -> float:
+def hugging_face(config, steps: int, device: str = "cpu", compiled: bool = False) -> float:
+    """transformers' Llama with a plain PyTorch loop on the same shape and batch: fp32 on a CPU; on a GPU fp32 weights
+    under bf16 autocast with fused AdamW (and `torch.compile` when `compiled`)."""
     from transformers import AutoModelForCausalLM
 
     from pai_cookbook.core import families
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(families.to_hf(config.model), attn_implementation="sdpa")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr)
+    model = AutoModelForCausalLM.from_config(families.to_hf(config.model), attn_implementation="sdpa").to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, fused=device == "cuda")
+    forward = torch.compile(model) if compiled else model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
     d = config.data
-    tokens = torch.randint(0, config.model.vocab_size, (d.micro_batch_size, d.seq_length))
+    tokens = torch.randint(0, config.model.vocab_size, (d.micro_batch_size, d.seq_length), device=device)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         optimizer.zero_grad()
         for _ in range(d.global_batch_size // d.micro_batch_size):
-            model(tokens, labels=tokens).loss.backward()
+            with autocast:
+                loss = forward(tokens, labels=tokens).loss
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)
         optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return d.global_batch_size * d.seq_length / statistics.median(times[2:])
+
+
+def on_gpu(opts) -> None:
+    """The GPU mode (module doc): the cookbook's worker, transformers eager and compiled, the ratios last."""
+    from pai_cookbook.core import families, runtime
+    from pai_cookbook.core.config import DataConfig, OptimizerConfig, PrecisionConfig, RunConfig
+
+    device = runtime.detect_device()
+    model = families.from_hf(families.tiny_hf_config("llama", **GPU_MODEL))
+    config = RunConfig(model=model, precision=PrecisionConfig(dtype="bf16"), train_iters=opts.steps,
+                       data=DataConfig(seq_length=GPU_SEQ, micro_batch_size=GPU_MICRO_BATCH, global_batch_size=GPU_BATCH),
+                       optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5))
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = cookbook(config, opts.steps, Path(tmp))
+        lines = [json.loads(x) for x in (Path(tmp) / "cookbook" / "metrics.jsonl").read_text().splitlines()]
+    eager = hugging_face(config, opts.steps, "cuda")
+    compiled = hugging_face(config, opts.steps, "cuda", compiled=True)
+    mfu = statistics.median(x["mfu"] for x in lines[2:]) if lines[2]["mfu"] is not None else None
+    print(f"{device.name}, layers {device.layers}: Llama-3.2-1B shape, bf16, {GPU_BATCH} x {GPU_SEQ} tokens a step, "
+          f"{opts.steps} steps (median after 2 warm-up)")
+    print(f"  cookbook worker                 {ours:10,.0f} tokens/s (MFU against the datasheet: "
+          f"{'unknown GPU' if mfu is None else f'{mfu:.2f}'})")
+    print(f"  transformers + PyTorch, eager   {eager:10,.0f} tokens/s")
+    print(f"  transformers + torch.compile    {compiled:10,.0f} tokens/s")
+    print(f"cookbook / transformers eager: {ours / eager:.2f}x; cookbook / transformers compiled: {ours / compiled:.2f}x")
 
 
 def preprocessing(work: Path) -> tuple[float, float, float]:
@@ -103,7 +147,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="cookbook / transformers pairs, run in turns")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the GPU mode (module doc); --seq and --batch are its own there")
     opts = parser.parse_args()
+    if opts.device == "cuda":
+        on_gpu(opts)
+        return
     model = families.from_hf(families.tiny_hf_config("llama", **BENCH_MODEL))
     config = RunConfig(model=model, data=DataConfig(seq_length=opts.seq, micro_batch_size=opts.batch,
                                                     global_batch_size=opts.batch),

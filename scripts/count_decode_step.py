@@ -70,13 +70,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from pai_cookbook import convert, generate, smollm2
-    from pai_cookbook.core import checkpoint, linear, runtime
+    from pai_cookbook.core import checkpoint, runtime
     from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
     from pai_cookbook.core.model import build_model
     from pai_cookbook.core.tokenizer import MegatronView
     from pai_cookbook.generate import GenerationConfig
     from pai_cookbook.tiny_models import make_tiny_hf_model
-    from pai_cookbook.workers.generate import build_engine, generate_batch
+    from pai_cookbook.workers.generate import build_engine, decoding_weights, generate_batch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")
@@ -97,7 +97,8 @@ def main() -> None:
         (gpt,) = build_model(model, ParallelConfig(), PrecisionConfig(dtype="fp32"), device, seed=0, initialize=False)
         checkpoint.load([gpt], job.ckpt)
         tokenizer = MegatronView(checkpoint.load_tokenizer(job.ckpt), job.eos_ids)
-        engine = build_engine(gpt, model, tokenizer, config, job.max_sequence, ParallelConfig(), torch.float32)
+        engine = build_engine(gpt, model, tokenizer, config, job.max_sequence, ParallelConfig(), torch.float32,
+                              device)
 
         def cookbook(new_tokens: int) -> Callable[[], object]:
             params = SamplingParams(top_k=1, num_tokens_to_generate=new_tokens)
@@ -105,7 +106,7 @@ def main() -> None:
             return lambda: generate_batch(engine, prompts, params, vocab_size=model.vocab_size, repetition_penalty=1.0,
                                           eos_ids=[], stop=[], max_new_tokens=new_tokens)
 
-        with linear.packed_for_decoding(gpt, rows):  # as the worker runs a job (core.linear)
+        with decoding_weights(engine, rows):  # as the worker runs a job (on the CPU path: cpu.linear)
             ours = per_step(count(cookbook(SHORT)), count(cookbook(LONG)))
 
     peer = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)

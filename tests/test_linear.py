@@ -1,4 +1,4 @@
-"""`core.linear`: Megatron-Core's parallel linears with a short forward where no gradient is recorded (TP=1)."""
+"""`cpu.linear`: Megatron-Core's parallel linears with a short forward where no gradient is recorded (TP=1)."""
 
 import torch
 
@@ -13,8 +13,8 @@ def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_throu
     With gradients on, Megatron-Core's forward runs and every weight gets a gradient."""
     from megatron.core.tensor_parallel import layers
 
-    from pai_cookbook.core.linear import LeanColumnParallelLinear, LeanRowParallelLinear
     from pai_cookbook.core.model import build_model
+    from pai_cookbook.cpu.linear import LeanColumnParallelLinear, LeanRowParallelLinear
 
     model = families.tiny("qwen2", add_bias_linear=True)
     calls = []
@@ -128,7 +128,7 @@ def _short_and_megatron_forward(family: str, **overrides) -> None:
 
 
 def test_lean_layers_decode_as_megatron_core_does_bit_for_bit():
-    """`core.lean_layer`: a prefill and six KV-cached decode steps, the rows unpadded and left-padded, give the same
+    """`cpu.lean_layer`: a prefill and six KV-cached decode steps, the rows unpadded and left-padded, give the same
     logits bit for bit with the short layer and attention forward as with Megatron-Core's, for a dense model with
     every bias on (non-zero), an MoE model with QK norms and one with a shared expert and a QKV bias; so does a forward
     without a cache (evaluation). With gradients on, Megatron-Core's forward runs (the short one records nothing for
@@ -139,8 +139,8 @@ def test_lean_layers_decode_as_megatron_core_does_bit_for_bit():
 
 
 def _packed_and_mkl_decode(family: str) -> None:
-    from pai_cookbook.core import linear
     from pai_cookbook.core.model import build_model
+    from pai_cookbook.cpu import linear
 
     model = families.tiny(family)
     with runtime.world_of_one() as device:
@@ -181,7 +181,7 @@ def _packed_and_mkl_decode(family: str) -> None:
 
 
 def test_weights_packed_for_onednn_decode_as_megatron_cores_matmul_does_to_rounding():
-    """`core.linear.packed_for_decoding`: every short linear, the output layer included (tied to the embedding for
+    """`cpu.linear.packed_for_decoding`: every short linear, the output layer included (tied to the embedding for
     Qwen2, its own weight for Llama; an MoE model's experts), runs oneDNN's inner product on a packed copy inside the
     context; a prefill and six cached steps of left-padded rows give MKL's logits to fp32 rounding and the same greedy
     tokens; weights changed between two contexts are packed afresh; nested contexts give the outer one its copies

@@ -38,7 +38,8 @@ def check_pretraining(m: dict) -> None:
     # Validation is 8 held-out documents (split 90,10,0), so it tracks training: measured gap 0.32. With
     # 2 documents (98,2,0) it sat 1.16 *below* training. 0.8 leaves room for one step's noise (~0.3).
     assert abs(m["final_valid_loss"] - m["final_loss"]) < 0.8
-    assert m["dataset_tokens"] > 300_000 and m["tokens_per_s"] > 0 and 0 < m["mean_mfu"] <= 1
+    assert m["dataset_tokens"] > 300_000 and m["tokens_per_s"] > 0 and 0 < m["mean_mfu_of_measured_peak"] <= 1
+    assert m["mean_mfu"] is None  # a CPU has no datasheet peak
 
 
 def check_fp8(m: dict) -> None:

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from pai_cookbook import convert, generate, hf_baseline, parity, smollm2
-from pai_cookbook.core import checkpoint
+from pai_cookbook.core import checkpoint, device_guard, runtime
 from pai_cookbook.core.config import ParallelConfig
 from pai_cookbook.generate import GenerationConfig
 
@@ -58,7 +58,13 @@ def test_round_trip_is_bitwise(smol, tmp_path):
     assert convert.compare_hf_checkpoints(hf, tmp_path / "back")["bitwise_identical"]
 
 
-def test_greedy_chat_equals_transformers(smol, tmp_path):
+@pytest.mark.parametrize("layers", [runtime.CPU_LAYERS, runtime.LOCAL_LAYERS])
+def test_greedy_chat_equals_transformers(smol, tmp_path, layers, monkeypatch):
+    """Three chats of different lengths in one left-padded batch, on the CPU path and on the GPU's local path under
+    the device guard (`core.device_guard`)."""
+    monkeypatch.setenv(runtime.LAYERS_ENV, layers)
+    if layers == runtime.LOCAL_LAYERS:
+        monkeypatch.setenv(device_guard.ENV, "1")
     hf, ckpt = smol
     config = GenerationConfig(max_new_tokens=32, repetition_penalty=1.0)
     job = generate.prepare(ckpt, [{"messages": m, "line": i + 1} for i, m in enumerate(CHATS)], config)
@@ -67,7 +73,7 @@ def test_greedy_chat_equals_transformers(smol, tmp_path):
     tokenizer = checkpoint.load_tokenizer(ckpt)
     for tokens in out["tokens"]:
         print(repr(tokenizer.decode(tokens, skip_special_tokens=True)))
-    assert out["tokens"] == reference
+    assert out["tokens"] == reference and out["layers"]["layers"] == layers
     assert "Paris" in tokenizer.decode(out["tokens"][0])
 
 

@@ -1,4 +1,6 @@
-"""Core attention on `torch.nn.functional.scaled_dot_product_attention` for Megatron-Core's local layer spec.
+"""The local path's attention swaps, on a GPU without Transformer Engine and on a CPU (`core.runtime.LOCAL_SWAPS`):
+`SDPAttention` (the core attention on PyTorch's fused kernel) and `LeftPaddedSelfAttention` (a static KV cache of
+rotated keys, for batches of prompts of different lengths, left-padded).
 
 Megatron-Core's local spec (no Transformer Engine: every CPU run) computes attention unfused: the scores
 [b, heads, sq, sk] materialised by `baddbmm`, masked, a softmax, then `bmm` with the values, with grouped
@@ -17,11 +19,15 @@ Transformer Engine, flash or memory-efficient kernels): same parameters (none), 
 
 `core.layer_spec.layer_spec` swaps it in wherever the local spec's `DotProductAttention` is used, unless the model
 asks for the unfused one (`ModelConfig.attention_backend="unfused"`, as the parity tests do).
+
+Every tensor made here takes the device of the tensors it meets (the padding's, the queries'): the same code runs
+on the GPU path (`core.device_guard` checks that on the CPU in CI).
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -148,103 +154,65 @@ def rotation_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> t
     return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
-def rotated_key_cache_attention(base):
-    """`base` (Megatron-Core's `SelfAttention`) whose static-batching KV cache holds keys already rotated.
+class LeftPaddedSelfAttention(SelfAttention):
+    """Megatron-Core's `SelfAttention` whose static-batching KV cache holds keys already rotated, so that a batch of
+    prompts of different lengths can be left-padded (the local path's `left_padded_kv_cache` swap, on a GPU and a CPU).
 
     Megatron-Core's static inference path stores each new key before its rotary embedding and, at every
     decode step, rotates the whole cached prefix again (`k_pos_emb[:sequence_end]` over every cached key, in
-    every layer): work and memory traffic that grow with the sequence, 13% of SmolLM2-135M's decode time on
-    the CPU (docs/megatron-core-on-cpu.md). Its dynamic path, like Hugging Face's cache, rotates a key once,
+    every layer), with one table for every row: work and memory traffic that grow with the sequence, and no way
+    for rows to sit at different positions. Its dynamic path, like Hugging Face's cache, rotates a key once,
     at its own position, before storing it. This class does that for static batching: the new keys are
     rotated with their positions' frequencies, stored, and the key embedding handed back is None, so
     `Attention.forward` rotates only the queries. Rotation is elementwise per position, so every key holds
     the values the old path recomputed, bit for bit. Anything else (training, the dynamic context, flash
-    decoding, multi-latent attention, packed sequences) goes through `base` unchanged.
+    decoding, multi-latent attention, packed sequences) is `SelfAttention`'s, unchanged.
 
-    Left-padded batches (the context's `LEFT_PADDING`): each row's queries and keys are rotated at the row's own
-    positions (`left_padded_positions`: from 0 at its first real token, as without padding) and its padding is
-    masked (`left_padded_mask`), so a row computes what it would alone.
-
-    Where no gradient is recorded on the local spec at TP=1, the forward is `core.lean_layer.attention_forward`:
-    the same calls without Megatron-Core's scaffolding for features that are off.
-
-    Without an inference context (training, scoring with gradients) on unpacked rows, where Megatron-Core would rotate
-    queries and keys with one table over whole heads, unfused and not interleaved, they are rotated by `rotate` right
-    after the projection (in `_adjust_key_value_for_inference`, which `Attention.forward` calls between the two) and
-    `Attention.forward` is handed no embedding to apply: the same elementwise products and sums, so the same values
-    and gradients bit for bit, without two copies of the queries and keys a layer forward and three backward
-    (tests/test_train.py).
+    Left-padded batches (the context's `LEFT_PADDING`, on the model's device): each row's queries and keys are
+    rotated at the row's own positions (`left_padded_positions`: from 0 at its first real token, as without padding)
+    and its padding is masked (`left_padded_mask`), so a row computes what it would alone. The mask reaches the core
+    attention as Megatron-Core's local `DotProductAttention` and `SDPAttention` take it; Transformer Engine's spec
+    keeps upstream's `SelfAttention` (`core.layer_spec`), and its generation right-pads as Megatron-Core does.
     """
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 
-    from pai_cookbook.core import lean_layer
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        return super().forward(hidden_states, left_padding_mask(inference_context, hidden_states, attention_mask),
+                               key_value_states, inference_context, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+                               rotary_pos_cos_sin, attention_bias, packed_seq_params, sequence_len_offset,
+                               inference_params=inference_params)
 
-    class RotatedKeyCacheAttention(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.lean = lean_layer.short_attention(self)
-            config = self.config
-            # interleaved rotation and multi-latent attention: `lean_layer.rotates_whole_heads`, asked per call
-            self.rotates_unfused = not (config.apply_rope_fusion or config.fused_single_qkv_rope or config.flash_decode)
-            self._rotate_after_projection = False  # set by forward for the call in progress
+    def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs):
+        if (inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None
+                or self.config.flash_decode or self.config.multi_latent_attention):
+            return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,
+                                                           *args, **kwargs)
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+        from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 
-        def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
-                    rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
-            # Megatron-Core 0.16's `Attention.forward` signature, spelt out so that the short forward's conditions
-            # are plain comparisons (this runs once a layer per decode step)
-            if _left_padded(inference_context):
-                rows, length = hidden_states.size(1), hidden_states.size(0)  # hidden states: [s, b, h]
-                attention_mask = _per_step(inference_context, "mask", rows, length, lambda: left_padded_mask(
-                    padding_of(inference_context, rows), inference_context.sequence_len_offset, length))
-            if (self.lean and not self.training and not torch.is_grad_enabled()
-                    and (inference_context is None or inference_context.is_static_batching())
-                    and key_value_states is None and rotary_pos_cos is None and rotary_pos_sin is None
-                    and rotary_pos_cos_sin is None and attention_bias is None and packed_seq_params is None
-                    and sequence_len_offset is None and inference_params is None):
-                return lean_layer.attention_forward(self, hidden_states, attention_mask, inference_context,
-                                                    rotary_pos_emb)
-            self._rotate_after_projection = (
-                self.rotates_unfused and inference_context is None and inference_params is None
-                and packed_seq_params is None and key_value_states is None and rotary_pos_emb is not None
-                and lean_layer.rotates_whole_heads(self, rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
-                                                    else (rotary_pos_emb,) * 2))
-            try:
-                return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
-                                       rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
-                                       attention_bias, packed_seq_params, sequence_len_offset,
-                                       inference_params=inference_params)
-            finally:
-                self._rotate_after_projection = False
+        q_pos_emb, k_pos_emb = rotary_pos_emb
+        start, length = inference_context.sequence_len_offset, key.size(0)
+        padding = padding_of(inference_context, key.size(1))  # key: [s, b, groups, d]
+        if padding is None:
+            k_rows = _step_freqs(k_pos_emb, None, start, length)
+        else:
+            k_rows, q_rows = _per_step(inference_context, "rotary", key.size(1), length, lambda: (
+                _step_freqs(k_pos_emb, padding, start, length), _step_freqs(q_pos_emb, padding, start, length)))
+        key = apply_rotary_pos_emb(key, k_rows, config=self.config,
+                                   mscale=_yarn_get_concentration_factor_from_config(self.config),
+                                   cp_group=self.pg_collection.cp)
+        query, key, value, (q_pos_emb, _), mask_type, block_table = super()._adjust_key_value_for_inference(
+            inference_context, query, key, value, (q_pos_emb, k_pos_emb), *args, **kwargs)
+        return query, key, value, (q_pos_emb if padding is None else q_rows, None), mask_type, block_table
 
-        def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
-                                            *args, **kwargs):
-            if self._rotate_after_projection and inference_context is None and rotary_pos_emb is not None:
-                # rotary_pos_emb is None here on a layer Megatron-Core's `no_rope_freq` exempts
-                query, key, value, _, mask_type, block_table = super()._adjust_key_value_for_inference(
-                    inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
-                cos, sin = rotation_tables(rotary_pos_emb[0], _yarn_get_concentration_factor_from_config(self.config),
-                                           query.dtype)
-                return rotate(query, cos, sin), rotate(key, cos, sin), value, None, mask_type, block_table
-            if (inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None
-                    or self.config.flash_decode or self.config.multi_latent_attention):
-                return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,
-                                                               *args, **kwargs)
-            q_pos_emb, k_pos_emb = rotary_pos_emb
-            start, length = inference_context.sequence_len_offset, key.size(0)
-            padding = padding_of(inference_context, key.size(1))  # key: [s, b, groups, d]
-            if padding is None:
-                k_rows = _step_freqs(k_pos_emb, None, start, length)
-            else:
-                k_rows, q_rows = _per_step(inference_context, "rotary", key.size(1), length, lambda: (
-                    _step_freqs(k_pos_emb, padding, start, length), _step_freqs(q_pos_emb, padding, start, length)))
-            key = apply_rotary_pos_emb(key, k_rows, config=self.config,
-                                       mscale=_yarn_get_concentration_factor_from_config(self.config),
-                                       cp_group=self.pg_collection.cp)
-            query, key, value, (q_pos_emb, _), mask_type, block_table = super()._adjust_key_value_for_inference(
-                inference_context, query, key, value, (q_pos_emb, k_pos_emb), *args, **kwargs)
-            return query, key, value, (q_pos_emb if padding is None else q_rows, None), mask_type, block_table
 
-    RotatedKeyCacheAttention.__name__ = RotatedKeyCacheAttention.__qualname__ = f"RotatedKeyCache{base.__name__}"
-    return RotatedKeyCacheAttention
+def left_padding_mask(inference_context, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+                      ) -> torch.Tensor | None:
+    """The attention mask of this step of a left-padded static batch (built once a step for every layer), or
+    `attention_mask` as given where the batch is not left-padded. `hidden_states`: [s, b, h]."""
+    if not _left_padded(inference_context):
+        return attention_mask
+    rows, length = hidden_states.size(1), hidden_states.size(0)
+    return _per_step(inference_context, "mask", rows, length, lambda: left_padded_mask(
+        padding_of(inference_context, rows), inference_context.sequence_len_offset, length))

@@ -144,7 +144,9 @@ def _cuda_type_names():
         if args or kwargs:
             return original(self, *args, **kwargs)
         name = original(self)
-        return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+        # once: under a TorchFunctionMode (core.device_guard) `original` is dispatched to this function again
+        cpu = self.device.type == "cpu" and not name.startswith("torch.cuda.")
+        return name.replace("torch.", "torch.cuda.", 1) if cpu else name
 
     torch.Tensor.type = type_
     try:

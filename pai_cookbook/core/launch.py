@@ -409,7 +409,7 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
     else:
         argv = torchrun_argv(job.WORKER, [str(job_file)], nproc_per_node, launch_env, log_dir)
     child_env.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc_per_node)))
-    if job.REPEATED_STEPS and not device.is_cuda:
+    if job.REPEATED_STEPS and device.cpu_converters:  # pai_cookbook.cpu.CONVERTERS["glibc_keep_freed_memory"]
         child_env.setdefault(GLIBC_TUNABLES_ENV, KEEP_FREED_MEMORY)
     # The workers' own tqdm bars (Megatron-Core's static engine draws one per generate call: a line per GRPO
     # step) would stream into the notebook as text; rank 0's progress events drive the launcher's bar instead.

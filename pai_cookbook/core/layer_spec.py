@@ -1,19 +1,24 @@
-"""The layer spec a GPT model is built from (`core.model.build_model`): Transformer Engine's on CUDA with TE,
-Megatron-Core's local (pure PyTorch) one otherwise, and the cookbook's classes swapped into it.
+"""The layer spec a GPT model is built from (`core.model.build_model`), by the one decision of which layers run
+here (`DeviceInfo.layers`, `core.runtime.choose_layers`):
 
-- Every layer is a `SeededTransformerLayer` (seeded by its global layer number, experts by their global index), so
-  one seed builds one model at every TP/PP/VPP/EP layout.
-- On the local spec: the core attention on PyTorch's fused kernel (`core.attention.SDPAttention`), self-attention
-  keeping rotated keys in the static KV cache and rotating without Megatron-Core's extra copies in training
-  (`core.attention.rotated_key_cache_attention`), dense MLPs computing SwiGLU as one autograd function
-  (`core.glu`, adopted by the layer), and the layers, the attention and the linears with a short forward where no
-  gradient is recorded (`core.lean_layer`, `core.linear`); with emulated FP8 the linears are `core.fp8`'s.
+- `transformer-engine`: Megatron-Core's Transformer Engine spec, as upstream ships it.
+- `local`: Megatron-Core's local (pure PyTorch) spec, as upstream ships it, with the swaps that serve a GPU without
+  Transformer Engine too (`core.runtime.LOCAL_SWAPS`): the core attention on PyTorch's fused kernel
+  (`core.attention.SDPAttention`, unless the model asks for the unfused one) and self-attention keeping rotated keys
+  in the static KV cache, which left-pads batches of prompts of different lengths
+  (`core.attention.LeftPaddedSelfAttention`).
+- `local+cpu`: the local path plus the cookbook's CPU converters (`pai_cookbook.cpu.convert_spec`).
+
+On every path each layer is a `SeededTransformerLayer` (seeded by its global layer number, experts by their global
+index), so one seed builds one model at every TP/PP/VPP/EP layout; its forward is upstream's. With emulated FP8 the
+linears are `core.fp8`'s (Megatron-Core's local ones with FP8 numerics) on any path.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pai_cookbook.core import runtime
 from pai_cookbook.core.config import ModelConfig
 from pai_cookbook.core.runtime import DeviceInfo
 
@@ -73,27 +78,21 @@ def _seeded_experts_class(base):
 
 
 def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | None = None):
-    """Transformer Engine spec on CUDA with TE, Megatron-Core's local spec otherwise (and with emulated FP8,
-    whose linears are the local ones with FP8 numerics: core/fp8.py).
-
-    Layers are swapped for `SeededTransformerLayer` (same parameters and forward, seeded init); on the local spec,
-    with `core.lean_layer`'s short forward where no gradient is recorded, and the linears for `core.linear`'s
-    (Megatron-Core's forward, shortened where no gradient is recorded at TP=1).
-    """
-    use_te = device.is_cuda and device.has_transformer_engine
+    """The layer (or, for MoE, decoder-block) spec of `device.layers` (module doc); with emulated FP8 the local
+    spec, whose linears carry FP8 numerics (core/fp8.py)."""
     fp8 = getattr(config, "cookbook_fp8", None)
     emulated_fp8 = fp8 is not None and fp8.resolve_backend(device) == "emulated"
-    if emulated_fp8:
-        use_te = False  # the emulated FP8 linears are Megatron-Core's local ones
-    spec = _layer_spec(model, config, device, vp_stage, use_te)
+    # the emulated FP8 linears are Megatron-Core's local ones
+    use_te = device.layers == runtime.TE_LAYERS and not emulated_fp8
+    spec = _layer_spec(model, config, vp_stage, use_te)
     if emulated_fp8:
         from pai_cookbook.core import fp8 as fp8_numerics
 
         swap_classes(spec, fp8_numerics.emulated_linears())
-    elif not use_te:
-        from pai_cookbook.core import linear
+    if device.cpu_converters:
+        from pai_cookbook import cpu
 
-        swap_classes(spec, linear.LEAN)
+        cpu.convert_spec(spec, linears=not emulated_fp8)
     return spec
 
 
@@ -126,14 +125,10 @@ def swap_classes(spec, swapped: dict[type, type]) -> None:
     walk(spec, set())
 
 
-def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | None, use_te: bool):
+def _layer_spec(model: ModelConfig, config, vp_stage: int | None, use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     seeded = _seeded_layer_class()
-    if not use_te:
-        from pai_cookbook.core.lean_layer import lean_layer_class
-
-        seeded = lean_layer_class(seeded)
     if model.is_moe:
         # The block spec places MoE and dense layers by moe_layer_freq.
         block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
@@ -142,7 +137,8 @@ def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | 
 
         for spec in block.layer_specs:
             spec.module = seeded
-            _choose_attention(spec, model)
+            if not use_te:
+                _local_swaps(spec, model)
             experts = getattr(spec.submodules.mlp.submodules, "experts", None)
             if experts is not None and experts.module is SequentialMLP:
                 experts.module = _seeded_experts_class(SequentialMLP)
@@ -152,22 +148,23 @@ def _layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | 
     else:
         spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
     spec.module = seeded
-    _choose_attention(spec, model)
+    if not use_te:
+        _local_swaps(spec, model)
     return spec
 
 
-def _choose_attention(spec, model: ModelConfig) -> None:
-    """The local spec's core attention on PyTorch's fused kernel (`core.attention`) unless the model asks for
-    Megatron-Core's unfused one; Transformer Engine's attention is left as it is. Self-attention keeps rotated
-    keys in the static inference cache on either spec (`core.attention.rotated_key_cache_attention`)."""
+def _local_swaps(spec, model: ModelConfig) -> None:
+    """The local path's swaps (`core.runtime.LOCAL_SWAPS`): self-attention keeping rotated keys in the static KV cache
+    (`left_padded_kv_cache`), and the core attention on PyTorch's fused kernel (`sdpa_core_attention`) unless the model
+    asks for Megatron-Core's unfused one."""
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from pai_cookbook.core.attention import SDPAttention, rotated_key_cache_attention
+    from pai_cookbook.core.attention import LeftPaddedSelfAttention, SDPAttention
 
     self_attention = spec.submodules.self_attention
     if self_attention.module is SelfAttention:
-        self_attention.module = rotated_key_cache_attention(SelfAttention)
+        self_attention.module = LeftPaddedSelfAttention
     attention = self_attention.submodules
     if attention.core_attention is DotProductAttention and model.attention_backend == "sdpa":
         attention.core_attention = SDPAttention

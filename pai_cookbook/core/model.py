@@ -1,7 +1,7 @@
 """Build Megatron-Core GPT models from the cookbook's configs (the `model_provider` step).
 
-The same function builds the CPU and the GPU model: the layer spec is Transformer Engine's when TE is
-importable on a CUDA machine, and Megatron-Core's local (pure PyTorch) spec otherwise. Weights are
+The same function builds the CPU and the GPU model: the layer spec is the one `DeviceInfo.layers` decided
+(`core.layer_spec`: Transformer Engine's, Megatron-Core's local one, or that plus the CPU converters). Weights are
 initialised whole on the CPU and then split (`use_cpu_initialization`), each layer from its own seeded
 stream, so one seed gives the same dense model at every TP/PP/virtual-PP layout: the basis of every
 "this layout matches single-process" check.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pai_cookbook.core import device_guard
 from pai_cookbook.core.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
 from pai_cookbook.core.layer_spec import LAYER_SEED_STRIDE, layer_spec
 from pai_cookbook.core.runtime import DeviceInfo
@@ -170,13 +171,15 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             gpt.output_layer = ScalarHead(model.hidden_size, model.init_method_std, seed)
         _params_to(gpt, config.params_dtype)
         if gpt.post_process and head == "lm":
-            if not device.is_cuda:  # the layers' short linear forward, and oneDNN's packed weight while decoding
-                from pai_cookbook.core import linear
+            if device.cpu_converters:  # the layers' short linear forward, and oneDNN's packed weight while decoding
+                from pai_cookbook import cpu
 
-                linear.make_lean(gpt.output_layer)
+                cpu.convert_output_layer(gpt.output_layer)
             mask_vocab_padding(gpt.output_layer, model.vocab_size)
         if device.is_cuda:
             gpt.cuda(torch.cuda.current_device())
+        else:  # where the CPU emulates a GPU for CI (core.device_guard), the model's tensors are the device's
+            device_guard.place(gpt)
         chunks.append(gpt)
     fp8 = precision.fp8
     if fp8 is not None and fp8.first_last_layers_bf16 and fp8.resolve_backend(device) == "emulated":

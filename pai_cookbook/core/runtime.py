@@ -1,9 +1,13 @@
 """Where the cookbook runs: device, communication backend, launch environment, distributed setup.
 
-Two questions are answered here and nowhere else:
+Three questions are answered here and nowhere else:
 - *Which hardware path?* CUDA present -> NCCL, Transformer Engine when importable, bf16/FP8 where the
   GPU has them. No CUDA -> gloo and Megatron-Core's local (pure PyTorch) layers, with the CPU
   compatibility layer (`pai_cookbook.compat`) applied once before any model is built.
+- *Which layers does a run build?* (`choose_layers`, recorded as `DeviceInfo.layers`): Transformer Engine's spec
+  (CUDA with TE), Megatron-Core's local spec as upstream ships it (CUDA without TE, or any machine where
+  `PAI_COOKBOOK_LAYERS=local`), or that local spec plus the cookbook's CPU speed converters (`pai_cookbook.cpu`,
+  a CPU's default). `layer_record` names what each path adds to upstream's spec; every result carries it.
 - *Which launch environment?* A single machine (a notebook in PAI-DSW, a laptop, CI) gets a free local
   rendezvous port. A multi-node job (PAI-DLC and other schedulers) is recognised by the scheduler's
   MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, where WORLD_SIZE counts *nodes* and RANK is the node
@@ -47,6 +51,13 @@ class DeviceInfo:
     """torch.distributed backend: nccl on CUDA, gloo on CPU."""
     has_transformer_engine: bool
     has_flash_attn: bool
+    layers: str = "local"
+    """Which layers a run builds here (`choose_layers`): one of `LAYER_PATHS`."""
+
+    @property
+    def cpu_converters(self) -> bool:
+        """True where the cookbook's CPU speed work (`pai_cookbook.cpu`) is applied: the one test of it."""
+        return self.layers == CPU_LAYERS
 
     @property
     def supports_bf16(self) -> bool:
@@ -61,28 +72,93 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+TE_LAYERS, LOCAL_LAYERS, CPU_LAYERS = "transformer-engine", "local", "local+cpu"
+LAYER_PATHS = (TE_LAYERS, LOCAL_LAYERS, CPU_LAYERS)
+LAYERS_ENV = "PAI_COOKBOOK_LAYERS"
+"""Environment variable that picks the layers instead of the default: `local` builds Megatron-Core's local spec as
+a GPU without Transformer Engine runs it (on a CPU too, to compare with the CPU speed work); `auto` or unset is the
+default. A worker inherits it from its launcher."""
+
+GPU_SWAPS = {
+    "seeded_init": "core.layer_spec.SeededTransformerLayer (and SeededExperts): weights drawn per global layer and "
+                   "expert, one model at every TP/PP/EP layout; the forward is TransformerLayer's",
+}
+"""What every path adds to upstream's layer spec (none changes what a layer computes)."""
+LOCAL_SWAPS = {
+    "sdpa_core_attention": "core.attention.SDPAttention: the core attention on PyTorch's fused kernel (flash or "
+                           "memory-efficient on a GPU) instead of materialised scores (ModelConfig.attention_backend)",
+    "left_padded_kv_cache": "core.attention.LeftPaddedSelfAttention: a batch of prompts of different lengths "
+                            "left-padded, each row at its own positions, keys rotated once before the static KV cache",
+}
+"""What the local path adds where Transformer Engine is absent: swaps that serve a GPU too."""
+
+
+def choose_layers(is_cuda: bool, has_transformer_engine: bool, environ: Mapping[str, str] | None = None) -> str:
+    """The one decision of which layers a run builds (see the module): Transformer Engine's spec on CUDA with TE,
+    Megatron-Core's local spec on CUDA without it, the local spec plus `pai_cookbook.cpu`'s converters on a CPU;
+    `PAI_COOKBOOK_LAYERS=local` asks for the local spec anywhere.
+
+    Raises:
+        ValueError: an unknown value, or one this machine cannot build (local+cpu on CUDA, TE without TE or CUDA).
+    """
+    env = os.environ if environ is None else environ
+    asked = env.get(LAYERS_ENV, "auto").strip() or "auto"
+    default = (TE_LAYERS if has_transformer_engine else LOCAL_LAYERS) if is_cuda else CPU_LAYERS
+    if asked == "auto":
+        return default
+    if asked not in LAYER_PATHS:
+        raise ValueError(f"{LAYERS_ENV}={asked!r}: expected one of auto, {', '.join(LAYER_PATHS)}; unset it for the "
+                         f"default here ({default}).")
+    if asked == CPU_LAYERS and is_cuda:
+        raise ValueError(f"{LAYERS_ENV}={CPU_LAYERS} on a CUDA machine: the CPU speed work is for CPUs only. Use "
+                         f"{LOCAL_LAYERS} or unset it ({default}).")
+    if asked == TE_LAYERS and not (is_cuda and has_transformer_engine):
+        raise ValueError(f"{LAYERS_ENV}={TE_LAYERS} needs CUDA and Transformer Engine, which this machine lacks; "
+                         f"unset it ({default}).")
+    return asked
+
+
+def layer_record(device: DeviceInfo) -> dict[str, Any]:
+    """What a run on `device` builds, for the environment report and every result and log: the layer path, the swaps
+    it adds to upstream's spec, and the CPU converters (`pai_cookbook.cpu.CONVERTERS`; none off the CPU path)."""
+    swaps = dict(GPU_SWAPS) | (LOCAL_SWAPS if device.layers != TE_LAYERS else {})
+    converters: dict[str, str] = {}
+    if device.cpu_converters:
+        from pai_cookbook import cpu
+
+        converters = dict(cpu.CONVERTERS)
+    return {"layers": device.layers, "swaps": sorted(swaps), "cpu_converters": sorted(converters)}
+
+
 def detect_device() -> DeviceInfo:
-    """Describe the local accelerator without initialising a process group."""
+    """Describe the local accelerator without initialising a process group (the layers: `choose_layers`)."""
     if torch.cuda.is_available():
+        te = _importable("transformer_engine")
         return DeviceInfo(
             is_cuda=True,
             name=torch.cuda.get_device_name(0),
             count=torch.cuda.device_count(),
             compute_capability=torch.cuda.get_device_capability(0),
             backend="nccl",
-            has_transformer_engine=_importable("transformer_engine"),
+            has_transformer_engine=te,
             has_flash_attn=_importable("flash_attn"),
+            layers=choose_layers(True, te),
         )
-    return host_device()
+    return _cpu_device(choose_layers(False, False))
 
 
 def host_device() -> DeviceInfo:
     """The host's CPU, GPUs present or not: for models that only describe names and shapes (conversion's
-    meta-device model), which must never be moved to a GPU."""
+    meta-device model), which must never be moved to a GPU. Its layers are the local spec: such a model computes
+    nothing, and its parameter names are the same on every path."""
+    return _cpu_device(LOCAL_LAYERS)
+
+
+def _cpu_device(layers: str) -> DeviceInfo:
     return DeviceInfo(
         is_cuda=False, name=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
         count=0, compute_capability=None, backend="gloo",
-        has_transformer_engine=False, has_flash_attn=False,
+        has_transformer_engine=False, has_flash_attn=False, layers=layers,
     )
 
 
@@ -211,6 +287,16 @@ def init_distributed(parallel: Any, seed: int) -> DeviceInfo:
     return device
 
 
+def collective_device() -> torch.device:
+    """Where a tensor handed to a collective must live inside a worker: this rank's GPU (NCCL takes nothing else) or
+    the CPU (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    from pai_cookbook.core import device_guard
+
+    return device_guard.accelerator()  # the CPU, or the GPU the device guard emulates on it
+
+
 def each_layout(layouts: Iterable[tuple[Any, int]]) -> Iterator[DeviceInfo]:
     """Megatron-Core's parallel state for each (ParallelConfig, seed) in turn, inside one process group.
 
@@ -280,8 +366,12 @@ def environment_report() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
     launch = detect_launch_env()
+    record = layer_record(device)
     runs_here = {
-        "layers": "Transformer Engine" if device.has_transformer_engine else "Megatron-Core local (PyTorch)",
+        "layers": {TE_LAYERS: "Transformer Engine", LOCAL_LAYERS: "Megatron-Core local (PyTorch)",
+                   CPU_LAYERS: "Megatron-Core local + CPU converters"}[device.layers],
+        "swaps": ", ".join(record["swaps"]),
+        "cpu converters": ", ".join(record["cpu_converters"]) or "none",
         "backend": device.backend,
         "bf16": device.supports_bf16,
         "fp8 GEMMs": device.supports_fp8,
@@ -293,8 +383,45 @@ def environment_report() -> dict[str, Any]:
             "runs_here": runs_here}
 
 
-PEAK_MATMUL_SIZE = 2048
-"""Largest square matmul the peak is measured with (GPU-sized: big enough to saturate the device)."""
+DATASHEET_DENSE_TFLOPS: dict[str, dict[str, float]] = {
+    # NVIDIA's datasheet figures without sparsity, TFLOP/s per GPU. Keys are matched against
+    # `torch.cuda.get_device_name()` (e.g. "NVIDIA H100 80GB HBM3"), the more specific first.
+    "H100 PCIe": {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "H100 NVL": {"fp8": 1671.0, "bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
+    "H100": {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
+    "H800 PCIe": {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "H800": {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
+    "H200 NVL": {"fp8": 1671.0, "bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
+    "H200": {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
+    "H20": {"fp8": 296.0, "bf16": 148.0, "fp16": 148.0, "fp32": 44.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "A800": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "L40S": {"fp8": 733.0, "bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
+    "B200": {"fp8": 4500.0, "bf16": 2250.0, "fp16": 2250.0, "fp32": 80.0},
+}
+"""Dense peak TFLOP/s by GPU and the precision of a run's GEMMs (fp8 where Transformer Engine runs them in FP8)."""
+
+
+def datasheet_peak_flops(device_name: str, precision: str) -> float | None:
+    """The datasheet's dense peak FLOP/s of one GPU named `device_name` (as torch names it) for `precision`
+    ("fp8", "bf16", "fp16", "fp32"), or None for a GPU (or a CPU) the table does not know: MFU as the field reports
+    it divides model FLOP/s by this figure."""
+    name = device_name.upper()
+    for gpu, peaks in DATASHEET_DENSE_TFLOPS.items():
+        if gpu.upper() in name:
+            tflops = peaks.get(precision)
+            return None if tflops is None else tflops * 1e12
+    return None
+
+
+def model_flops_utilization(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -> float | None:
+    """Model FLOP/s (`tokens_per_s` x `flops_per_token`) over `peak_flops` (None where that peak is unknown)."""
+    return None if not peak_flops else tokens_per_s * flops_per_token / peak_flops
+
+
+PEAK_MATMUL_SIZE = 8192
+"""Largest square matmul the measured peak uses: big enough to saturate a GPU (an H100 reached 410 TFLOP/s in bf16
+at 2048 and 786 at 8192). On a CPU the doubling stops far earlier, on time."""
 PEAK_MIN_SIZE = 256
 PEAK_MEASURE_S = 0.5
 
@@ -302,10 +429,10 @@ PEAK_MEASURE_S = 0.5
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, seconds: float = PEAK_MEASURE_S) -> float:
     """Dense matmul FLOP/s this process reaches (its device and threads), measured for `seconds`.
 
-    MFU is reported against this measured figure rather than a datasheet number, so a CPU run and a
-    GPU run are judged by what their hardware actually does. The matrix size doubles from 256 until one
-    matmul takes a tenth of `seconds` (or reaches 2048): a 2048 bf16 matmul takes 64 s on a 2-core CPU
-    without bf16 kernels (measured), which a fixed size spent before every bf16 run.
+    Reported beside MFU under its own name (`mfu_of_measured_peak`): the fraction of what this hardware's own
+    largest matmul reaches, the only peak a CPU has (there is no datasheet figure for it). The matrix size doubles
+    from 256 until one matmul takes a tenth of `seconds` (or reaches `PEAK_MATMUL_SIZE`): a 2048 bf16 matmul takes
+    64 s on a 2-core CPU without bf16 kernels (measured), which a fixed size spent before every bf16 run.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
 

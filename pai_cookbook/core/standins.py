@@ -39,7 +39,9 @@ class CpuTorch(types.ModuleType):
         @functools.wraps(factory)
         def wrapper(*args, **kwargs):
             if is_cuda_device(kwargs.get("device")):
-                kwargs["device"] = "cpu"
+                from pai_cookbook.core import device_guard
+
+                kwargs["device"] = device_guard.accelerator()  # the CPU (a GPU's stand-in under the device guard)
             return factory(*args, **kwargs)
         return wrapper
 

@@ -145,7 +145,10 @@ def entry(job_type: type[J]) -> Callable[[Callable[[J], dict[str, Any] | None]],
                 _write_error(err)
                 raise
             if rank() == 0 and result is not None:
-                _write_result(result)
+                from pai_cookbook.core import runtime
+
+                # what this run built (core.runtime.layer_record): every result says which layers computed it
+                _write_result(result | {"layers": runtime.layer_record(runtime.detect_device())})
 
         return run
 
@@ -159,9 +162,13 @@ def session(parallel: Any = None, seed: int = 0) -> Iterator[Any]:
 
     Workers that run several layouts in one launch pass no `parallel` and use `runtime.each_layout`.
     """
-    from pai_cookbook.core import runtime
+    from pai_cookbook.core import device_guard, runtime
 
     try:
-        yield runtime.init_distributed(parallel, seed)
+        device = runtime.init_distributed(parallel, seed)
+        if rank() == 0:  # the first line of the run's log: which layers it builds
+            print(f"pai_cookbook layers: {json.dumps(runtime.layer_record(device))}", flush=True)
+        with device_guard.from_environment():
+            yield device
     finally:
         runtime.destroy_distributed()

@@ -3,13 +3,15 @@
 Each rank builds the model at the job's layout, loads the checkpoint (Megatron-Core reshards it), and
 runs `StaticInferenceEngine` -> `TextGenerationController` -> `GPTInferenceWrapper` with a
 `StaticInferenceContext` (the KV cache): one prefill forward over every prompt, then one forward of one
-token per step. Prompts of different lengths share a batch *left-padded* (`generate_batch`), as Hugging
-Face's batched `generate` does: each row's positions count from 0 at its first real token and its padding is
-masked (`core.attention`), so every row computes what it would alone, and every row samples from the first
-step on. Megatron-Core's static batching right-pads instead: the longer prompts were fed one token a step
-while the shorter rows sampled, (longest - shortest) extra forward steps a batch (measured: 70 steps instead
-of 64 for SmolLM2's 8 x 64 benchmark, docs/megatron-core-on-cpu.md). The RL worker samples its rollouts through
-`generate_batch` too.
+token per step. On the local paths (`DeviceInfo.layers`: a GPU without Transformer Engine, a CPU) prompts of
+different lengths share a batch *left-padded* (`generate_batch`), as Hugging Face's batched `generate` does: each
+row's positions count from 0 at its first real token and its padding is masked (`core.attention`'s
+`left_padded_kv_cache` swap), so every row computes what it would alone, and every row samples from the first
+step on. Megatron-Core's static batching right-pads instead: the longer prompts are fed one token a step
+while the shorter rows sample, (longest - shortest) extra forward steps a batch (measured: 70 steps instead
+of 64 for SmolLM2's 8 x 64 benchmark, docs/megatron-core-on-cpu.md); Transformer Engine's spec, upstream's
+unchanged, generates that way. The RL worker samples its rollouts through `generate_batch` too. Every tensor the
+controller makes for the model is made on the model's device.
 
 The controller is subclassed only where Hugging Face semantics need something it lacks:
 - repetition penalty (HF's rule: a seen token's logit divided by the penalty if positive, multiplied
@@ -26,6 +28,7 @@ benchmark compares against), through the same controller and sampler.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -56,16 +59,21 @@ def _controller_class():
             """Settings for the next batch. `prompt_lengths`: each row's prompt as the engine sees it (with its
             padding); `left_padding`: how many of those tokens are padding (masked, never penalised)."""
             self.real_vocab, self.penalty, self.stop, self.max_new = vocab_size, repetition_penalty, stop, max_new_tokens
-            self.eos = torch.tensor(eos_ids, dtype=torch.long)
+            self.eos = torch.tensor(eos_ids, dtype=torch.long)  # on the host: compared with `.cpu()` tokens
             self.prompt_lengths = prompt_lengths
-            padding = torch.tensor(left_padding or [0] * len(prompt_lengths), dtype=torch.long)
-            self.left_padding = padding if bool(padding.any()) else None
+            self.left_padding = None
+            if left_padding and any(left_padding):  # read by the attention with the activations: the model's device
+                self.left_padding = torch.tensor(left_padding, dtype=torch.long, device=self.model_device)
             setattr(self.inference_wrapped_model.inference_context, LEFT_PADDING, self.left_padding)
             self.finish = [FINISH_LENGTH] * len(prompt_lengths)
             # per sampling step, each row's log-probability of the token it sampled and the entropy of its
             # next-token distribution (the RL worker reads both; see `token_logprobs`)
             self.logprobs: list[torch.Tensor] | None = [] if track_logprobs else None
             self.entropies: list[torch.Tensor] | None = [] if track_logprobs else None
+
+        @property
+        def model_device(self) -> torch.device:
+            return next(self.inference_wrapped_model.model.parameters()).device
 
         def pad_input_prompt_tokens(self, batch_prompt_tokens_list, padded_batch_size, padded_sequence_length):
             self.position = min(len(p) for p in batch_prompt_tokens_list)  # first sampled position
@@ -181,8 +189,8 @@ def _wrapper_class(kv_cache: bool):
 
 
 def build_engine(gpt, model, tokenizer: MegatronView, config: GenerationConfig, max_sequence: int,
-                 parallel: ParallelConfig, dtype: torch.dtype):
-    """Megatron-Core's static engine over `gpt`, with the cookbook's controller and wrapper."""
+                 parallel: ParallelConfig, dtype: torch.dtype, device: runtime.DeviceInfo):
+    """Megatron-Core's static engine over `gpt` (built for `device`), with the cookbook's controller and wrapper."""
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
@@ -195,20 +203,42 @@ def build_engine(gpt, model, tokenizer: MegatronView, config: GenerationConfig, 
                                                  StaticInferenceContext.from_config(wrapper_config))
     wrapped.forward_lengths = []
     controller = _controller_class()(wrapped, tokenizer)
+    controller.device_info = device  # read by generate_batch (left padding) and decoding_weights
     # legacy=True: the batched static path; the dynamic engine needs flash_attn and CUDA graphs.
     return StaticInferenceEngine(controller, max_batch_size=config.batch_size, legacy=True)
 
 
+def left_pads(device: runtime.DeviceInfo) -> bool:
+    """Whether generation left-pads a batch on `device`'s layers: the local paths' `left_padded_kv_cache` swap;
+    Transformer Engine's spec is upstream's and right-pads as Megatron-Core's static batching does."""
+    return device.layers != runtime.TE_LAYERS
+
+
+def decoding_weights(engine, rows: int) -> contextlib.AbstractContextManager[int]:
+    """Around a job's (or a rollout's) generation: oneDNN's packed weights on the CPU path
+    (`cpu.CONVERTERS["onednn_decode_packing"]`), nothing on the others. Yields how many weights were packed."""
+    if not engine.controller.device_info.cpu_converters:
+        return contextlib.nullcontext(0)
+    from pai_cookbook.cpu import linear
+
+    return linear.packed_for_decoding(engine.controller.inference_wrapped_model.model, rows)
+
+
 def generate_batch(engine, prompts: list[list[int]], params, **settings: Any) -> list:
-    """One static batch through `engine`: `prompts` left-padded to the longest (the padding is masked and each
-    row's positions start at its first real token; see the module), the controller configured with `settings`
-    (its `configure` keywords but the prompts'). Returns the engine's finished requests, in prompt order; their
-    `generated_tokens` are the new tokens alone."""
+    """One static batch through `engine`: `prompts` left-padded to the longest where the engine's layers left-pad
+    (the padding is masked and each row's positions start at its first real token; see the module), else as they
+    are (Megatron-Core right-pads), the controller configured with `settings` (its `configure` keywords but the
+    prompts'). Returns the engine's finished requests, in prompt order; their `generated_tokens` are the new tokens
+    alone."""
     from megatron.core.inference.inference_request import InferenceRequest
 
-    width = max(map(len, prompts))
-    padding = [width - len(p) for p in prompts]
-    engine.controller.configure(prompt_lengths=[width] * len(prompts), left_padding=padding, **settings)
+    if left_pads(engine.controller.device_info):
+        width = max(map(len, prompts))
+        padding = [width - len(p) for p in prompts]
+        engine.controller.configure(prompt_lengths=[width] * len(prompts), left_padding=padding, **settings)
+    else:
+        padding = [0] * len(prompts)
+        engine.controller.configure(prompt_lengths=[len(p) for p in prompts], **settings)
     # The padding's token id is never seen (masked in attention, skipped by the repetition penalty): 0 is in
     # every vocabulary.
     requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=[0] * pad + list(p),
@@ -221,7 +251,6 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
 
-    from pai_cookbook.core import linear
     from pai_cookbook.core.model import build_model, torch_dtype
 
     config, parallel = job.config, job.parallel
@@ -231,7 +260,7 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     checkpoint.load([gpt], job.ckpt)
     tokenizer = MegatronView(checkpoint.load_tokenizer(job.ckpt), job.eos_ids)
     prompts = job.prompt_ids
-    engine = build_engine(gpt, model, tokenizer, config, job.max_sequence, parallel, torch_dtype(precision))
+    engine = build_engine(gpt, model, tokenizer, config, job.max_sequence, parallel, torch_dtype(precision), device)
     controller, wrapped = engine.controller, engine.controller.inference_wrapped_model
     params = SamplingParams(temperature=config.temperature, top_k=config.top_k, top_p=float(config.top_p),
                             num_tokens_to_generate=config.max_new_tokens)
@@ -248,9 +277,9 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     forward_lengths: list[tuple[int, list[int]]] = []
     wrapped.forward_seconds = 0.0
     packing = time.perf_counter()
-    # On a CPU the linears run oneDNN's inner product on weights packed once for the whole job, like loading them
-    # (core.linear.packed_for_decoding); its seconds are reported apart from the generation's.
-    with linear.packed_for_decoding(gpt, rows=batch_size):
+    # On the CPU path the linears run oneDNN's inner product on weights packed once for the whole job, like loading
+    # them (cpu.linear.packed_for_decoding); its seconds are reported apart from the generation's.
+    with decoding_weights(engine, rows=batch_size):
         start = time.perf_counter()
         for number, batch in enumerate(batches):
             if number % dp_size != dp_rank:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from pai_cookbook import rl, rlhf
-from pai_cookbook.core import checkpoint, worker
+from pai_cookbook.core import checkpoint, runtime, worker
 from pai_cookbook.core.model import build_model, torch_dtype
 from pai_cookbook.core.tokenizer import MegatronView
 from pai_cookbook.generate import GenerationConfig
@@ -56,23 +56,21 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
     the engine's logits (`workers.generate.token_logprobs`) and the entropy of the distribution it came from."""
     from megatron.core.inference.sampling_params import SamplingParams
 
-    from pai_cookbook.core import linear
-
     controller = engine.controller
     params = SamplingParams(temperature=1.0, top_k=0, top_p=0.0, num_tokens_to_generate=job.config.max_new_tokens)
     params.add_attributes({"no_early_termination": True})  # ends are the cookbook controller's rule
     rows = [(prompt, group) for group, prompt in enumerate(prompts) for _ in range(group_size)]
     ids = [prompt_ids[prompt] for prompt, _ in rows]
     controller.sampling_rng.manual_seed(seed)
-    # Packed from the weights as they are now: the policy trains between two calls (core.linear).
-    with linear.packed_for_decoding(controller.inference_wrapped_model.model, rows=len(ids)):
+    # On the CPU path, packed from the weights as they are now: the policy trains between two calls (cpu.linear).
+    with engine_worker.decoding_weights(engine, rows=len(ids)):
         done = engine_worker.generate_batch(engine, ids, params, vocab_size=job.run.model.vocab_size,
                                             repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
                                             max_new_tokens=job.config.max_new_tokens, track_logprobs=True)
     out = []
     for row, ((prompt, group), request) in enumerate(zip(rows, done)):
         tokens = request.generated_tokens.tolist()
-        width = controller.prompt_lengths[row]  # the prompt left-padded to the batch's longest
+        width = controller.prompt_lengths[row]  # the prompt, left-padded to the batch's longest where it is
         finish = controller.finish[row]
         if finish == engine_worker.FINISH_EOS:  # the end token ends the row uncounted; the policy must learn it
             end = int(controller.tokens[row, width + len(tokens)])
@@ -231,8 +229,7 @@ def _value_loss(batch: dict[str, Any], output: torch.Tensor):
 
 
 def _max_over_world(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    tensor = tensor.cuda() if torch.cuda.is_available() else tensor
+    tensor = torch.tensor([value], dtype=torch.float64, device=runtime.collective_device())
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return float(tensor.item())
 
@@ -445,7 +442,7 @@ def train(job: RLJob, device) -> dict[str, Any]:
     engine = engine_worker.build_engine(
         model[0].module, config.model, MegatronView(hf_tokenizer, job.eos_ids),
         GenerationConfig(batch_size=max(g.rows, len(job.eval_ids) * g.eval_samples), max_new_tokens=g.max_new_tokens),
-        config.data.seq_length, config.parallel, dtype)
+        config.data.seq_length, config.parallel, dtype, device)
     replay = _replay(g.rollouts)
     log = trainer.StepLog(config, device, fresh=first_step == 0)
     run_dir = os.environ.get(worker.RUN_DIR_ENV)

@@ -51,12 +51,14 @@ def _batches(docs: list[list[int]], batch: int, pad: int):
 
 
 def megatron_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [batch, seq, padded vocab] of the one-process model (the scorer runs at TP=PP=1: a
-    50,000-token vocabulary's logits are too large to gather as objects, as the parity worker does)."""
+    """Logits [batch, seq, padded vocab] of the one-process model, on the host with the batch's masks and targets (the
+    scorer runs at TP=PP=1: a 50,000-token vocabulary's logits are too large to gather as objects, as the parity
+    worker does)."""
     (gpt,) = chunks
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    tokens = tokens.to(next(gpt.parameters()).device)  # the model's device (a GPU's: the batches are made on the host)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
-        return gpt(tokens, positions, attention_mask=None).float()
+        return gpt(tokens, positions, attention_mask=None).float().cpu()
 
 
 def _load(ckpt: str, device):

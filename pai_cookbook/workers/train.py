@@ -68,9 +68,8 @@ def _per_token_scale(batches: list[dict[str, torch.Tensor]]) -> float:
     """
     from megatron.core import parallel_state as ps
 
-    count = torch.tensor([float(sum(int(b["loss_count"]) for b in batches))], dtype=torch.float64)
-    if torch.cuda.is_available():
-        count = count.cuda()
+    count = torch.tensor([float(sum(int(b["loss_count"]) for b in batches))], dtype=torch.float64,
+                         device=runtime.collective_device())
     torch.distributed.all_reduce(count, group=ps.get_data_parallel_group())
     return len(batches) * ps.get_data_parallel_world_size() / max(float(count.item()), 1.0)
 
@@ -137,7 +136,10 @@ def build(config: RunConfig, device: DeviceInfo, head: str = "lm"):
         lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
         wd_incr_steps=config.train_iters, wd_incr_style="constant",
     )
-    fuse_cpu_adam(optimizer)
+    if device.cpu_converters:  # the CPU path's converter (pai_cookbook.cpu); GPUs step with TE's or Apex's fused Adam
+        from pai_cookbook.cpu import adam
+
+        adam.fuse_adam(optimizer)
     tconfig.grad_scale_func = optimizer.scale_loss
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
@@ -159,11 +161,9 @@ def global_sums(reports: list[dict[str, torch.Tensor]], key: str, width: int) ->
     global batch and returned on every rank, on the CPU, in float64."""
     from megatron.core import parallel_state as ps
 
-    value = torch.zeros(width, dtype=torch.float64)
+    value = torch.zeros(width, dtype=torch.float64, device=runtime.collective_device())
     if reports and ps.get_tensor_model_parallel_rank() == 0:
-        value += torch.stack([r[key].double().cpu() for r in reports]).sum(0)
-    if torch.cuda.is_available():
-        value = value.cuda()
+        value += torch.stack([r[key].double().to(value.device) for r in reports]).sum(0)
     torch.distributed.all_reduce(value)
     return value.cpu()
 
@@ -259,9 +259,17 @@ class StepLog:
     def __init__(self, config: RunConfig, device: DeviceInfo, fresh: bool, log_dir: str | Path | None = None):
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
         self.flops_per_token = training_flops_per_token(config.model, config.data.seq_length)
-        # The world's peak: every rank measures its own device (and threads), then they are summed.
-        peak = torch.tensor([runtime.measure_matmul_peak(torch_dtype(config.precision))], dtype=torch.float64)
-        torch.distributed.all_reduce(peak.cuda() if device.is_cuda else peak)
+        # MFU as the field reports it: model FLOP/s over the GPUs' datasheet dense peak for the precision of the
+        # GEMMs (None on a CPU or a GPU the table lacks). Beside it, under its own name, the fraction of the measured
+        # matmul peak: every rank measures its own device (and threads), and the world's figure is their sum.
+        gemms = "fp8" if config.precision.fp8 is not None and config.precision.fp8.resolve_backend(device) == "te" \
+            else config.precision.dtype
+        world = torch.distributed.get_world_size()
+        per_gpu = runtime.datasheet_peak_flops(device.name, gemms) if device.is_cuda else None
+        self.datasheet_flops = None if per_gpu is None else per_gpu * world
+        peak = torch.tensor([runtime.measure_matmul_peak(torch_dtype(config.precision))], dtype=torch.float64,
+                            device=runtime.collective_device())
+        torch.distributed.all_reduce(peak)
         self.peak_flops = float(peak.item())
         self.jsonl = self.tensorboard = None
         run_dir = log_dir or os.environ.get(worker.RUN_DIR_ENV)
@@ -275,7 +283,10 @@ class StepLog:
 
     def throughput(self, seconds: float) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step / seconds
-        return {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * self.flops_per_token / self.peak_flops}
+        return {"tokens_per_s": tokens_per_s,
+                "mfu": runtime.model_flops_utilization(tokens_per_s, self.flops_per_token, self.datasheet_flops),
+                "mfu_of_measured_peak": runtime.model_flops_utilization(tokens_per_s, self.flops_per_token,
+                                                                        self.peak_flops)}
 
     def write(self, step: int, figures: dict[str, float]) -> None:
         if self.jsonl is None:
@@ -321,28 +332,6 @@ def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, asset
                                     keep_last=ckpt.keep_last, assets=assets, **state)
 
 
-def fuse_cpu_adam(optimizer) -> None:
-    """Make Megatron-Core's Adam on CPU tensors torch's fused AdamW kernel rather than its per-tensor loop.
-
-    Without Transformer Engine or Apex, `get_megatron_optimizer` builds `torch.optim.AdamW` with torch's default
-    implementation, which for CPU tensors is a Python loop of about ten ATen ops a tensor, each a pass over it (torch
-    defaults to its fused kernels on accelerators only). With them, on GPU, Megatron-Core steps with TE's or Apex's
-    fused Adam. torch's fused kernel does the same update in one pass: on the benchmark model (32M parameters, fp32,
-    2 cores) the optimizer step drops from about 65 to 32 ms. Its arithmetic is the loop's in another order, so
-    parameters differ in the last bits (4.8e-7 after six steps in a probe), as TE's fused Adam differs from
-    both. Applied to every group of every torch Adam under `optimizer` (chained, mixed precision or distributed)
-    whose parameters are on CPU; also after a checkpoint's load, whose saved groups carry their own `fused`.
-    """
-    for inner in checkpoint.chained_optimizers(optimizer):
-        adam = getattr(inner, "optimizer", None)
-        if not isinstance(adam, torch.optim.Adam):  # AdamW is one; TE's and Apex's FusedAdam are not
-            continue
-        for group in adam.param_groups:
-            if all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"]) \
-                    and not group["differentiable"]:
-                group["fused"], group["foreach"] = True, False
-
-
 def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | None]:
     """Resume from save_dir's latest checkpoint, or start from load_dir's weights; returns (step, source)."""
     ckpt = config.checkpoint
@@ -350,7 +339,10 @@ def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str |
     latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
     if latest:
         step = checkpoint.load_training(modules, optimizer, scheduler, latest[0])
-        fuse_cpu_adam(optimizer)
+        if getattr(optimizer, "cookbook_fused_cpu_adam", False):  # cpu.adam.FUSED_MARK: the saved groups are unfused
+            from pai_cookbook.cpu import adam
+
+            adam.fuse_adam(optimizer)
         return step, str(latest[0])
     if ckpt.load_dir:
         checkpoint.load(modules, ckpt.load_dir)
@@ -418,9 +410,10 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
         "valid_losses": valid_losses,
         "tokens_per_s": tokens_per_step * len(history) / elapsed if history else 0.0,
         "mfu": [h["mfu"] for h in history],
+        "mfu_of_measured_peak": [h["mfu_of_measured_peak"] for h in history],
         "fp8_backend": fp8_backend,  # "emulated": FP8 numerics by quantize/dequantize, GEMMs in fp32
         "fp8": [h["fp8"] for h in history if "fp8" in h],
-        "peak_flops": log.peak_flops,
+        "peak_flops": log.peak_flops, "datasheet_peak_flops": log.datasheet_flops,
         "world_size": torch.distributed.get_world_size(),
         "device": device.name,
         "checkpoint": str(saved) if saved else None,
@@ -447,7 +440,7 @@ def _dataset_tokenizer(config: RunConfig) -> Path | None:
     return staged
 
 
-_STEP_FIGURES = {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "valid_loss"}
+_STEP_FIGURES = {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mfu_of_measured_peak", "valid_loss"}
 
 
 

@@ -6,8 +6,8 @@ Job: Scenario(config, scenario, layouts)
   param_counts build the model of config.model and count its parameters over all ranks
   layouts      train once per config in `layouts`, rebuilding Megatron-Core's parallel state for each
                inside one process group; returns each history
-  module_types build the model of config and list the class names of its modules (which layers a device gets),
-               and whether TorchInductor was imported on the way
+  module_types build the model of config and list the class names of its modules (which layers a device gets)
+               and the Python modules that define them, and whether TorchInductor was imported on the way
   packed_logits the same random conversations packed into shared rows and padded one per row: logits per
                conversation, with the block-diagonal mask and (negative control) without it
   grads        per config in `layouts`: one global batch's forward/backward (no optimizer step), its loss
@@ -18,7 +18,7 @@ Job: Scenario(config, scenario, layouts)
                unfused one: logits of a causal batch and of packed rows (block-diagonal mask), the loss and
                every parameter's gradient of one backward pass, and each build's core-attention class
   training_ops per config in `layouts` (one seed, TP=1): one forward/backward with the cookbook's training-path
-               rotary embedding and SwiGLU (core.attention, core.glu) and with Megatron-Core's own, and whether the
+               rotary embedding and SwiGLU (cpu.attention, cpu.glu) and with Megatron-Core's own, and whether the
                losses and every gradient are the same bit for bit; how often each path ran
   adam         per config in `layouts`: three training steps with the optimizer `build` makes and with the same
                optimizer put back on torch's per-tensor loop; whether every Adam group was fused, the largest
@@ -84,6 +84,7 @@ def module_types(config: RunConfig, device) -> dict:
 
     chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
     return {"types": sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()}),
+            "modules": sorted({type(m).__module__ for chunk in chunks for m in chunk.modules()}),
             "compilers_imported": [m for m in ("torch._inductor", "torch._inductor.compile_fx") if m in sys.modules]}
 
 
@@ -156,7 +157,7 @@ def attention(config: RunConfig, device) -> dict:
 def training_ops(configs: list[RunConfig], device) -> dict:
     import megatron.core.transformer.attention as megatron_attention
 
-    from pai_cookbook.core import glu
+    from pai_cookbook.cpu import glu
     from pai_cookbook.workers.train import model_forward
 
     calls = {"megatron_rotary": 0, "swiglu": 0}

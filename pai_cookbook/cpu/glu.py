@@ -14,7 +14,7 @@ backward (fc1's output and the SiLU, where autograd kept those and the offset co
 
 `GatedMLP` is Megatron-Core's `MLP` calling it where `MLP.forward` would compute exactly that: SiLU, gated, no
 offset, no clamp, no fused or Transformer Engine activation, no per-token scale (an expert's). Anything else is
-`MLP.forward`. The local spec's layers (`core.lean_layer`) adopt their dense `MLP` as one.
+`MLP.forward`. The CPU path's layers (`cpu.lean_layer`) adopt their dense `MLP` as one.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ the same submodules with the same ops in the same order and nothing else, so the
 Anything else (training, gradients on, TP > 1, sequence parallelism, packed sequences, Transformer Engine's spec)
 is Megatron-Core's forward, unchanged. Used by generation, RL rollouts, scoring and evaluation.
 
-`core.layer_spec.layer_spec` builds layers from `lean_layer_class` and self-attention from
-`core.attention.rotated_key_cache_attention`, which calls `attention_forward` here, on the local spec only.
+`pai_cookbook.cpu.convert_spec` builds layers from `lean_layer_class` and self-attention as
+`cpu.attention.LeanSelfAttention`, which calls `attention_forward` here, on the CPU path only (`cpu.CONVERTERS`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _dense_mlp(mlp, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
 def _short_mlp(layer) -> bool:
     """True where the layer's MLP is Megatron-Core's dense `MLP` (adopted as a `GatedMLP`) with its activation
     unfused."""
-    from pai_cookbook.core.glu import GatedMLP
+    from pai_cookbook.cpu.glu import GatedMLP
 
     config = layer.config
     return type(layer.mlp) is GatedMLP and not config.use_te_activation_func and not config.bias_activation_fusion
@@ -78,12 +78,14 @@ def _short_layer(layer) -> bool:
 
 def lean_layer_class(base):
     """`base` (a `TransformerLayer`) with the short forward of the module doc where nothing needs more, its dense
-    MLP adopted as a `core.glu.GatedMLP`."""
+    MLP adopted as a `cpu.glu.GatedMLP`."""
     from megatron.core.transformer.mlp import MLP
 
-    from pai_cookbook.core.glu import GatedMLP
+    from pai_cookbook.cpu.glu import GatedMLP
 
     class LeanTransformerLayer(base):
+        lean_converted = True  # `cpu.convert_spec` converts a layer spec once
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if type(self.mlp) is MLP:
@@ -123,7 +125,7 @@ def lean_layer_class(base):
 def short_attention(attention) -> bool:
     """True where `attention` (a `SelfAttention` of the local spec at TP=1) can take `attention_forward`; checked
     once, at build time (what changes per call is checked in `attention_forward`'s caller)."""
-    from pai_cookbook.core.linear import LeanColumnParallelLinear
+    from pai_cookbook.cpu.linear import LeanColumnParallelLinear
 
     config = attention.config
     return (isinstance(attention.linear_qkv, LeanColumnParallelLinear) and attention.linear_qkv.lean
@@ -148,7 +150,7 @@ def attention_forward(attention, hidden_states: Tensor, attention_mask: Tensor |
     separate rotary cos/sin.
 
     In a static context the queries and the new keys are rotated before the keys are stored (as
-    `core.attention.rotated_key_cache_attention` does) with the step's cos and sin, made once for every layer
+    `core.attention.LeftPaddedSelfAttention` does) with the step's cos and sin, made once for every layer
     (`core.attention.step_rotation`): `t * cos + rotate_half(t) * sin`, Megatron-Core's `_apply_rotary_pos_emb_bshd`
     on the same tables, whose last `torch.cat` with an empty pass-through part copies the same values."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb

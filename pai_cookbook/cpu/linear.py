@@ -13,9 +13,9 @@ TP > 1, sequence parallelism, experts spread over ranks) is Megatron-Core's own 
 Measured on SmolLM2-135M's decode step (8 rows, 30 layers, 120 of these linears a step; 2-core CPU): the
 wrappers cost ~45 us a call outside the GEMM; docs/megatron-core-on-cpu.md has the step before and after.
 
-`core.layer_spec.layer_spec` puts them wherever the local spec uses Megatron-Core's linears (not with emulated
-FP8, whose linears are `core.fp8`'s; not in Transformer Engine's spec); `core.model.build_model` makes a language
-model's output layer one too (`make_lean`).
+`pai_cookbook.cpu.convert_spec` puts them wherever the local spec uses Megatron-Core's linears on the CPU path (not
+with emulated FP8, whose linears are `core.fp8`'s); `cpu.convert_output_layer` makes a language model's output layer
+one too (`make_lean`).
 
 **oneDNN's prepacked weights while decoding** (`packed_for_decoding`). PyTorch's CPU matmul is MKL's `sgemm`; for
 the few rows a decode step has (one per sequence) that is far slower than oneDNN's inner product on a weight

@@ -1,0 +1,35 @@
+"""torch's fused AdamW kernel for Megatron-Core's Adam on CPU parameters (`cpu.CONVERTERS["fused_cpu_adam"]`)."""
+
+from __future__ import annotations
+
+import torch
+
+from pai_cookbook.core import checkpoint
+
+FUSED_MARK = "cookbook_fused_cpu_adam"
+"""Attribute set on a Megatron-Core optimizer `fuse_adam` converted: a checkpoint's load is converted again."""
+
+
+def fuse_adam(optimizer) -> None:
+    """Make Megatron-Core's Adam on CPU tensors torch's fused AdamW kernel rather than its per-tensor loop.
+
+    Without Transformer Engine or Apex, `get_megatron_optimizer` builds `torch.optim.AdamW` with torch's default
+    implementation, which for CPU tensors is a Python loop of about ten ATen ops a tensor, each a pass over it (torch
+    defaults to its fused kernels on accelerators only). With them, on GPU, Megatron-Core steps with TE's or Apex's
+    fused Adam. torch's fused kernel does the same update in one pass: on the benchmark model (32M parameters, fp32,
+    2 cores) the optimizer step drops from about 65 to 32 ms. Its arithmetic is the loop's in another order, so
+    parameters differ in the last bits (4.8e-7 after six steps in a probe), as TE's fused Adam differs from
+    both. Applied to every group of every torch Adam under `optimizer` (chained, mixed precision or distributed)
+    whose parameters are on CPU; again after a checkpoint's load (`workers.train`, where the optimizer carries
+    `FUSED_MARK`), whose saved groups carry their own `fused`.
+    """
+    for inner in checkpoint.chained_optimizers(optimizer):
+        adam = getattr(inner, "optimizer", None)
+        if not isinstance(adam, torch.optim.Adam):  # AdamW is one; TE's and Apex's FusedAdam are not
+            continue
+        for group in adam.param_groups:
+            if all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"]) \
+                    and not group["differentiable"]:
+                group["fused"], group["foreach"] = True, False
+    setattr(optimizer, FUSED_MARK, True)
+
