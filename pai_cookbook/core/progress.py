@@ -60,13 +60,20 @@ def _notebook_bar() -> type:
 
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """transformers' progress bars off inside the block (restored after, if they were on)."""
+    """transformers' progress bars off inside the block (restored after, if they were on), its GGUF reader's too
+    (`modeling_gguf_pytorch_utils` draws a plain tqdm bar that transformers' switch does not reach)."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf
     from transformers.utils import logging
 
     was_on = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()
+    gguf_bar = gguf.tqdm
+    gguf.tqdm = functools.partial(gguf_bar, disable=True)
     try:
         yield
     finally:
+        gguf.tqdm = gguf_bar
         if was_on:
             logging.enable_progress_bar()

@@ -329,7 +329,8 @@ def world_of_one() -> Iterator[DeviceInfo]:
     process would spend ~3 s importing torch and Megatron-Core before its first byte (docs/megatron-core-on-cpu.md).
     The compatibility layer is applied here as in any CPU worker (building an MoE layer, even on the meta device,
     creates CUDA streams; its patches stand in only for CUDA calls that would raise on this machine). No port is
-    bound (an in-process store). Yields the host device. Check `can_host_world_of_one()` first.
+    bound (an in-process store). Yields the CPU's `DeviceInfo` (its layers as `choose_layers` decides on a CPU).
+    Check `can_host_world_of_one()` first.
     """
     from pai_cookbook.core import compat
 
@@ -342,7 +343,7 @@ def world_of_one() -> Iterator[DeviceInfo]:
     torch.distributed.init_process_group(backend="gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel()
-        yield host_device()
+        yield detect_device()  # this process has no CUDA: the CPU, on the layers decided for it
     finally:
         destroy_distributed()
 
