@@ -99,6 +99,8 @@ def test_no_cpu_converter_is_built_on_the_local_path(run_scenario, monkeypatch):
         assert {"SeededTransformerLayer", "LeftPaddedSelfAttention", "SDPAttention", "ColumnParallelLinear",
                 "RowParallelLinear"} <= set(local["types"]), local["types"]
         assert _is_gpu_path_record(local["layers"]), local["layers"]
+        # ...and the run's log says so first (rank 0's "layers" event, in the log, not echoed into a notebook)
+        assert [e["layers"] for e in local["events"] if e["event"] == "layers"] == [runtime.LOCAL_LAYERS]
 
 
 @pytest.mark.multiproc

@@ -166,10 +166,8 @@ def session(parallel: Any = None, seed: int = 0) -> Iterator[Any]:
 
     try:
         device = runtime.init_distributed(parallel, seed)
-        if rank() == 0:  # the first line of the run's log: which layers it builds
-            record = runtime.layer_record(device)
-            print(f"pai_cookbook layers: {record['layers']}; swaps: {', '.join(record['swaps'])}; cpu converters: "
-                  f"{', '.join(record['cpu_converters']) or 'none'}", flush=True)
+        if rank() == 0:  # the first line of the run's log (an event: kept in the log, not echoed into a notebook)
+            report("layers", **runtime.layer_record(device))
         with device_guard.from_environment():
             yield device
     finally:
