@@ -130,7 +130,7 @@ def test_rollouts_and_reward_scoring_on_the_gpu(llama, tmp_path, record):
     record({"ppo_reward": ppo["steps"][0]["reward"], "grpo_logprob_diff": grpo["steps"][0]["logprob_diff"],
             "bits_per_char": bits, "layers": grpo["layers"]})
     assert len(ppo["steps"]) == 1 and len(ppo["evals"]) == 2
-    assert grpo["steps"][0]["logprob_diff"] < 1e-2  # bf16 engine against the trainer: within bf16 rounding
+    assert grpo["steps"][0]["logprob_diff"] < 1e-4  # fp32: the engine against the trainer, the CPU tests' bound
 
 
 @needs_te
