@@ -87,7 +87,8 @@ def test_the_record_names_what_each_path_adds():
 @pytest.mark.multiproc
 def test_no_cpu_converter_is_built_on_the_local_path(run_scenario, monkeypatch):
     """The local path's model holds Megatron-Core's classes and the named swaps only, for a dense and an MoE
-    model; the CPU path's holds the converters (the same check, so it can fail)."""
+    model, and its worker never imports `pai_cookbook.cpu`; the CPU path's holds the converters (the same checks,
+    so they can fail)."""
     for family in ("llama", "qwen2_moe"):
         config = tiny_run(family)
         cpu_path = run_scenario(config, 1, "module_types")
@@ -96,6 +97,7 @@ def test_no_cpu_converter_is_built_on_the_local_path(run_scenario, monkeypatch):
         local = run_scenario(config, 1, "module_types")
         monkeypatch.delenv(runtime.LAYERS_ENV)
         assert not any(m.startswith(CPU_PACKAGE) for m in local["modules"]), local
+        assert cpu_path["cpu_package_imported"] and not local["cpu_package_imported"]  # not even imported
         assert {"SeededTransformerLayer", "LeftPaddedSelfAttention", "SDPAttention", "ColumnParallelLinear",
                 "RowParallelLinear"} <= set(local["types"]), local["types"]
         assert _is_gpu_path_record(local["layers"]), local["layers"]

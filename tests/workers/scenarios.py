@@ -85,6 +85,7 @@ def module_types(config: RunConfig, device) -> dict:
     chunks = build_model(config.model, config.parallel, config.precision, device, config.seed)
     return {"types": sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()}),
             "modules": sorted({type(m).__module__ for chunk in chunks for m in chunk.modules()}),
+            "cpu_package_imported": any(name.startswith("pai_cookbook.cpu") for name in sys.modules),
             "compilers_imported": [m for m in ("torch._inductor", "torch._inductor.compile_fx") if m in sys.modules]}
 
 
