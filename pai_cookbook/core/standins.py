@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pai_cookbook.core import device_guard
+
 
 def is_cuda_device(device: Any) -> bool:
     if isinstance(device, int):
@@ -39,8 +41,6 @@ class CpuTorch(types.ModuleType):
         @functools.wraps(factory)
         def wrapper(*args, **kwargs):
             if is_cuda_device(kwargs.get("device")):
-                from pai_cookbook.core import device_guard
-
                 kwargs["device"] = device_guard.accelerator()  # the CPU (a GPU's stand-in under the device guard)
             return factory(*args, **kwargs)
         return wrapper
