@@ -145,14 +145,16 @@ def entry(job_type: type[J]) -> Callable[[Callable[[J], dict[str, Any] | None]],
                 _write_error(err)
                 raise
             if rank() == 0 and result is not None:
-                from pai_cookbook.core import runtime
-
-                # what this run built (core.runtime.layer_record): every result says which layers computed it
-                _write_result(result | {"layers": runtime.layer_record(runtime.detect_device())})
+                # what this run built, as `session` recorded it: every result says which layers computed it
+                _write_result(result if _layers is None else result | {"layers": _layers})
 
         return run
 
     return wrap
+
+
+_layers: dict[str, Any] | None = None
+"""This process's `core.runtime.layer_record`, made once by `session` and written into the result by `entry`."""
 
 
 @contextlib.contextmanager
@@ -164,10 +166,12 @@ def session(parallel: Any = None, seed: int = 0) -> Iterator[Any]:
     """
     from pai_cookbook.core import device_guard, runtime
 
+    global _layers
     try:
         device = runtime.init_distributed(parallel, seed)
+        _layers = runtime.layer_record(device)
         if rank() == 0:  # the first line of the run's log (an event: kept in the log, not echoed into a notebook)
-            report("layers", **runtime.layer_record(device))
+            report("layers", **_layers)
         with device_guard.from_environment():
             yield device
     finally:
