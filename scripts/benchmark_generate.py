@@ -16,8 +16,8 @@ loading is not either). The last line is the cookbook's ratio to batched `genera
 Not a test: on a 2-core VM the noise (about +-15%) is larger than small differences.
 
 `--device cuda`: Llama-3.2-1B's shape (random weights), bf16, 8 prompts of 8-40 tokens x 128 new tokens, the cookbook
-(its layers as `core.runtime.choose_layers` decides there) against batched `generate` eager and with its forward
-under `torch.compile` (a static cache); the ratios come last.
+(its layers as `core.runtime.choose_layers` decides there) against batched `generate` eager and compiled (a static cache,
+whose decode step `generate` compiles itself on CUDA); the ratios come last.
 """
 
 from __future__ import annotations
@@ -83,7 +83,10 @@ def on_gpu(opts) -> None:
     peer = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).to("cuda")
     hf_batched(peer, job.prompt_ids, 8)  # warm-up
     eager = [hf_batched(peer, job.prompt_ids, new_tokens) for _ in range(opts.runs)]
-    peer.forward = torch.compile(peer.forward, mode="reduce-overhead", fullgraph=True)
+    # transformers' own compiled path: with a static cache on CUDA, `generate` compiles its decode step itself
+    # (CompileConfig's "reduce-overhead", CUDA graphs). Compiling `peer.forward` by hand as well made the prefill
+    # and the decode steps share one CUDA-graph tree, and the second call read outputs the first had overwritten
+    # (an H100, 2026-11-26).
     compiled = [hf_batched(peer, job.prompt_ids, new_tokens, cache_implementation="static")
                 for _ in range(opts.runs + 1)][1:]  # the first call compiles
     rate = {name: statistics.median(r[0] for r in runs) for name, runs in (("eager", eager), ("compiled", compiled))}
