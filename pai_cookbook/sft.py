@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pai_cookbook import chat_template as chat
+from pai_cookbook.chat_template import SFTError
 from pai_cookbook.core import nodes
 
 ROLES = ("system", "user", "assistant")
@@ -53,10 +55,6 @@ CHATML = (
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 TEMPLATES = {"chatml": CHATML}
-
-
-class SFTError(ValueError):
-    """Bad SFT input, named before any worker starts: where, what was expected, what was found."""
 
 
 @dataclass
@@ -143,58 +141,44 @@ def _template(template: str | None) -> str | None:
     return TEMPLATES.get(template, template) if template is not None else None
 
 
-def _render(tokenizer, messages: list[dict], template: str | None, generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=_template(template), tokenize=False,
-                                         add_generation_prompt=generation_prompt)
+def _where(conversation: dict[str, Any]) -> str:
+    return conversation.get("where") or f"line {conversation.get('line', 0)}"
 
 
-def assistant_spans(tokenizer, messages: list[dict], template: str | None = None) -> list[tuple[int, int]]:
-    """Character spans of each assistant turn in the rendered conversation, its end-of-turn token included
-    (whitespace the template writes after the turn is not).
+def encode(tokenizer, conversation: dict[str, Any], template: str | None = None, *, stop_ids: list[int] | None = None,
+           system: str = "keep", check_generation_prompt: bool = True) -> Sample:
+    """One conversation rendered and tokenized once, with its answer-only loss mask (`chat_template`: each assistant
+    turn from the end of its generation prompt through its stop token), cross-checked against transformers'
+    assistant mask where the template marks assistant turns with `{% generation %}`.
 
+    Args:
+        stop_ids: the ids that end a turn (`chat_template.stop_ids`); default: the tokenizer's eos.
+        system: "keep", or "fold" the system message into the first user turn (templates without a system role).
+        check_generation_prompt: refuse a template whose generation prompt is not what it writes before an answer.
     Raises:
-        SFTError: the template does not render a conversation as the prefixes of its turns (no span
-        can be marked), or an assistant turn does not end with the tokenizer's end-of-turn token.
+        SFTError: naming the conversation's line and the way through (`chat_template`'s refusals).
     """
-    full = _render(tokenizer, messages, template)
-    end_token = tokenizer.eos_token or ""
-    spans = []
-    for i, turn in enumerate(messages):
-        if turn["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], template, generation_prompt=True) if i else ""
-        through = _render(tokenizer, messages[:i + 1], template).rstrip()
-        if not (full.startswith(through) and through.startswith(before)) or not through[len(before):]:
-            raise SFTError("the chat template does not render a conversation as the prefixes of its turns, so "
-                           "the assistant spans cannot be found; give a template that does (sft.TEMPLATES).")
-        if end_token and not through.endswith(end_token):
-            raise SFTError(f"the chat template ends an assistant turn with {through[-12:]!r}, not the end-of-turn "
-                           f"token {end_token!r}: a model trained on it never learns to stop.")
-        spans.append((len(before), len(through)))
-    return spans
-
-
-def encode(tokenizer, conversation: dict[str, Any], template: str | None = None) -> Sample:
-    """One conversation rendered and tokenized once; the loss mask from the boundary scan, cross-checked
-    against transformers' assistant mask where the template marks assistant turns."""
-    messages, template = conversation["messages"], _template(template)
-    text = _render(tokenizer, messages, template)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)  # the template writes BOS
-    spans = assistant_spans(tokenizer, messages, template)
-    mask = [any(start <= a and b <= end for start, end in spans) for a, b in encoded["offset_mapping"]]
+    if system not in chat.SYSTEM:
+        raise SFTError(f"system={system!r}; use one of {chat.SYSTEM}.")
+    messages, template, where = conversation["messages"], _template(template), _where(conversation)
+    if system == "fold":
+        messages = chat.fold_system(messages)
+    stops = stop_ids if stop_ids is not None else chat.stop_ids(tokenizer)
+    located = chat.locate(tokenizer, messages, template, where, check_generation_prompt)
+    ids, mask = chat.mask(tokenizer, located, stops, where)
     agrees = None
     if "{% generation %}" in (template or tokenizer.chat_template or ""):
         marked = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                                return_assistant_tokens_mask=True)
-        agrees = marked["input_ids"] == encoded["input_ids"] and [bool(m) for m in marked["assistant_masks"]] == mask
-    return Sample(ids=list(encoded["input_ids"]), loss_mask=mask, line=conversation.get("line", 0),
-                  template_agrees=agrees)
+        agrees = marked["input_ids"] == ids and [bool(m) for m in marked["assistant_masks"]] == mask
+    return Sample(ids=ids, loss_mask=mask, line=conversation.get("line", 0), template_agrees=agrees)
 
 
 def encode_all(tokenizer, conversations: Sequence[dict[str, Any]], seq_length: int, template: str | None = None,
-               truncation: str = "drop") -> tuple[list[Sample], Counts]:
-    """Every conversation encoded; longer than `seq_length` + 1 tokens (inputs and the shifted labels)
-    dropped or truncated; samples left without a loss token dropped. Returns the samples and the counts."""
+               truncation: str = "drop", **options: Any) -> tuple[list[Sample], Counts]:
+    """Every conversation encoded (`options`: `encode`'s); longer than `seq_length` + 1 tokens (inputs and the
+    shifted labels) dropped or truncated; samples left without a loss token dropped. Returns the samples and the
+    counts: every conversation is kept (truncated or not), dropped too long, or dropped without a loss token."""
     if truncation not in TRUNCATION:
         raise SFTError(f"truncation={truncation!r}; use one of {TRUNCATION}.")
     template = _template(template)
@@ -202,7 +186,7 @@ def encode_all(tokenizer, conversations: Sequence[dict[str, Any]], seq_length: i
         raise SFTError(f"the tokenizer has no chat template; pass template= one of {sorted(TEMPLATES)} or your own.")
     counts, samples = Counts(conversations=len(conversations)), []
     for conversation in conversations:
-        sample = encode(tokenizer, conversation, template)
+        sample = encode(tokenizer, conversation, template, **options)
         if sample.template_agrees is not None:
             counts.cross_checked += 1
             if not sample.template_agrees:
@@ -212,13 +196,13 @@ def encode_all(tokenizer, conversations: Sequence[dict[str, Any]], seq_length: i
                 counts.dropped_too_long += 1
                 counts.dropped_lines.append(sample.line)
                 continue
-            counts.truncated += 1
             sample.ids, sample.loss_mask = sample.ids[:seq_length + 1], sample.loss_mask[:seq_length + 1]
             sample.truncated = True
         if not any(sample.loss_mask[1:]):  # the first token is never predicted
             counts.dropped_no_loss += 1
             counts.dropped_lines.append(sample.line)
             continue
+        counts.truncated += sample.truncated
         samples.append(sample)
     return samples, counts
 
@@ -326,12 +310,14 @@ def attention_mask(document: Any) -> Any:
 # A prepared set: what training reads (source="sft")
 # --------------------------------------------------------------------------------------------------
 SUMMARY = "sft.json"
+TEMPLATE_FILE = "chat_template.jinja"
 SPLITS = ("train", "valid")
 
 
 @nodes.node0_only
 def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, tokenizer_dir: str | Path, *,
-            seq_length: int, template: str | None = None, truncation: str = "drop", packed: bool = True,
+            seq_length: int, template: str | None = None, system: str = "keep", stop_tokens: list[str] | None = None,
+            check_generation_prompt: bool = True, truncation: str = "drop", packed: bool = True,
             valid_fraction: float = 0.05, seed: int = 0) -> dict[str, Any]:
     """Encode, split and pack a conversation set into `out_dir` (train.safetensors, valid.safetensors and
     sft.json), the folder a `DataConfig(source="sft", paths=[out_dir])` trains on. Everything that can be
@@ -340,7 +326,14 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
     Args:
         source: a JSONL file (`read`) or conversations already read.
         tokenizer_dir: the tokenizer of the model to be trained (a checkpoint's `hf_assets/`).
-        template: None (the tokenizer's chat template), a name in TEMPLATES, or a Jinja template.
+        template: None (the tokenizer's chat template), a name in TEMPLATES, or a Jinja template. The template
+            used is written into the set (chat_template.jinja) and from there into every checkpoint trained on it.
+        system: "keep" the system message, or "fold" it into the first user turn (templates without a system role,
+            such as Gemma's).
+        stop_tokens: the tokens that end an assistant turn; default: `tokenizer_dir`'s generation_config.json eos
+            ids and the tokenizer's eos (`chat_template.stop_ids`).
+        check_generation_prompt: False accepts a template whose generation prompt is not what it writes before an
+            answer in training (a thinking prompt): the answers are trained as written.
         truncation: "drop" or "truncate" conversations longer than seq_length + 1 tokens.
         packed: pack conversations into rows (first-fit decreasing); False: one per row, padded.
         valid_fraction: conversations held out (seeded shuffle) for the validation loss.
@@ -348,20 +341,24 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
         The summary written to sft.json: counts (`Counts`), the masks' `audit`, and per split the
         conversations, rows, loss tokens, packed and padded efficiency and source lines.
     Raises:
-        SFTError: bad records (file:line), a template that cannot mark assistant spans or disagrees with
-        transformers' assistant mask, no conversation left to train on.
+        SFTError: naming the line and the way through: bad records, a template that refuses a conversation, cannot
+        place or stop a turn, or disagrees with transformers' assistant mask, special-token text inside a message,
+        a mask the audit does not reproduce, no conversation left to train on.
     """
     from pai_cookbook.core import tokenizer as tokenizers
 
     if not 0 <= valid_fraction < 1:
         raise SFTError(f"valid_fraction={valid_fraction}; hold out a fraction in [0, 1) of the conversations.")
     if isinstance(source, (str, Path)):
-        conversations = read(source)
+        conversations = [c | {"where": f"{source}:{c['line']}"} for c in read(source)]
     else:  # records given in memory get the checks a file's lines get, numbered from 1
         conversations = [{"messages": _messages(record, f"conversation {i}"), "line": record.get("line", i)}
                          for i, record in enumerate(source, start=1)]
     hf = tokenizers.load(tokenizer_dir)
-    samples, counts = encode_all(hf, conversations, seq_length, template, truncation)
+    text = _template(template) or hf.chat_template
+    stops = chat.stop_ids(hf, tokenizer_dir, stop_tokens)
+    options = {"stop_ids": stops, "system": system, "check_generation_prompt": check_generation_prompt}
+    samples, counts = encode_all(hf, conversations, seq_length, template, truncation, **options)
     if counts.disagreements:
         raise SFTError(f"lines {counts.disagreements[:10]}: transformers' assistant mask and the boundary scan "
                        f"mark different tokens; the template's {{% generation %}} markers do not enclose exactly "
@@ -375,17 +372,20 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
         raise SFTError(f"{len(samples)} of {counts.conversations} conversations are left to train on; need at "
                        f"least {2 if valid_fraction > 0 else 1} (one held out when valid_fraction > 0). Raise "
                        f"seq_length or use truncation='truncate'.")
-    checked = audit(hf, samples, conversations)
+    checked = audit(hf, samples, conversations, template, stop_ids=stops, system=system)
     if checked["mismatched_lines"]:
-        raise SFTError(f"lines {checked['mismatched_lines'][:10]}: the tokens in the loss do not decode to the "
-                       f"conversation's answers, each followed by {hf.eos_token!r}; the template renders text "
-                       f"around or inside the answers that the boundary scan cannot place. Use another template.")
+        raise SFTError(f"lines {checked['mismatched_lines'][:10]}: the trained tokens differ from the audit's second "
+                       f"placing of the answers ({'; '.join(checked['mismatches'][:2])}); the template writes text "
+                       f"around the answers that one of the two misplaces. Report this with the template, or use "
+                       f"another template.")
     order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
     held_out = max(1, round(valid_fraction * len(samples))) if valid_fraction > 0 else 0
     split = {"train": [samples[i] for i in sorted(order[held_out:])],
              "valid": [samples[i] for i in sorted(order[:held_out])]}
     meta = {"truncation": truncation, "template": template if template is None or template in TEMPLATES else "custom",
+            "chat_template": text, "system": system, "stop_tokens": hf.convert_ids_to_tokens(stops),
+            "check_generation_prompt": check_generation_prompt,
             "tokenizer": str(Path(tokenizer_dir).resolve()), "tokenizer_sha256": tokenizers.fingerprint(tokenizer_dir),
             "vocab_size": len(hf), "counts": asdict(counts), "audit": checked}
     pad_id = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
@@ -424,6 +424,9 @@ def _write_splits(folder: Path, split: dict[str, Sequence[Sample]], seq_length: 
     from safetensors.torch import save_file
 
     summary: dict[str, Any] = {"seq_length": seq_length, "packed": packed} | meta
+    template = summary.pop("chat_template", None)
+    if template:  # the template the set was rendered with: training writes it into its checkpoints' hf_assets
+        (folder / TEMPLATE_FILE).write_text(template, encoding="utf-8")
     for name in SPLITS:
         part = list(split.get(name, []))
         lengths = [len(s.ids) - 1 for s in part]
@@ -563,30 +566,88 @@ def loss_by_split(token_losses: Any, loss_mask: Any, micro_batch_sizes: Sequence
 # --------------------------------------------------------------------------------------------------
 # Looking at the data and at what the model learnt
 # --------------------------------------------------------------------------------------------------
-def audit(tokenizer, samples: Sequence[Sample], conversations: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What the loss masks train, checked against the conversations' text: for each sample the trained
-    tokens must decode to its assistant turns, each followed by the end-of-turn token, and nothing else
-    (a prompt token in the loss, or a missing end token, breaks the equality); and no sample may start
-    with two BOS tokens."""
+def audit(tokenizer, samples: Sequence[Sample], conversations: Sequence[dict[str, Any]], template: str | None = None,
+          *, stop_ids: list[int] | None = None, system: str = "keep") -> dict[str, Any]:
+    """What the loss masks train, checked token by token against a second, independent placing of the answers: the
+    conversation is rendered and tokenized again, each answer found by searching its text forward from the message
+    before, and each generation prompt (what `add_generation_prompt=True` adds) searched before it. A turn's trained
+    tokens must be exactly those from the end of its generation prompt (the answer's first token when the prompt is
+    not there) through the first stop token after the answer, however the boundaries merge; nothing else is trained,
+    and no sample starts with two BOS tokens. A mismatch names the line, the turn and the tokens on both sides."""
     by_line = {c["line"]: c for c in conversations}
     if len(by_line) != len(conversations):
         raise SFTError("conversations share line numbers; give each a distinct \"line\" (or none: sft.prepare numbers them).")
+    template = _template(template)
+    stops = stop_ids if stop_ids is not None else chat.stop_ids(tokenizer)
     out: dict[str, Any] = {"samples": len(samples), "truncated_not_checked": 0, "assistant_turns": 0,
-                           "end_tokens_trained": 0, "mismatched_samples": 0, "double_bos": 0, "mismatched_lines": []}
-    end, bos = tokenizer.eos_token or "", tokenizer.bos_token_id
+                           "stop_tokens_trained": 0, "mismatched_samples": 0, "double_bos": 0, "mismatched_lines": [],
+                           "mismatches": []}
+    bos = tokenizer.bos_token_id
     for sample in samples:
         out["double_bos"] += bos is not None and sample.ids[:2] == [bos, bos]
-        if sample.truncated:  # its last answer is cut: the text check does not apply
+        if sample.truncated:  # its last answer is cut: the turn check does not apply
             out["truncated_not_checked"] += 1
             continue
-        answers = [m["content"] for m in by_line[sample.line]["messages"] if m["role"] == "assistant"]
-        trained = [i for i, m in zip(sample.ids, sample.loss_mask) if m]
-        out["assistant_turns"] += len(answers)
-        out["end_tokens_trained"] += trained.count(tokenizer.eos_token_id)
-        if tokenizer.decode(trained) != "".join(a + end for a in answers):
+        messages = by_line[sample.line]["messages"]
+        messages = chat.fold_system(messages) if system == "fold" else messages
+        expected, turns = _expected_mask(tokenizer, messages, template, stops)
+        out["assistant_turns"] += turns
+        out["stop_tokens_trained"] += sum(m and i in stops for i, m in zip(sample.ids, sample.loss_mask))
+        if expected is None or expected[0] != sample.ids or expected[1] != sample.loss_mask:
             out["mismatched_samples"] += 1
             out["mismatched_lines"].append(sample.line)
+            if len(out["mismatches"]) < 5:
+                out["mismatches"].append(_difference(tokenizer, sample, expected, stops))
     return out
+
+
+def _expected_mask(tokenizer, messages: list[dict], template: str | None, stops: list[int]):
+    """(ids, mask) by the audit's own placing (`audit`), and the number of assistant turns; (None, n) when an
+    answer or its stop token is not found."""
+    text = chat.render(tokenizer, messages, template)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
+    mask, turns, pos = [False] * len(ids), 0, 0
+    for i, message in enumerate(messages):
+        core = message["content"].strip()
+        at = text.find(core, pos)
+        if message["role"] != "assistant":
+            if at >= 0 and message["role"] != "system":  # a template may move the system message (Mistral's last turn)
+                pos = at + len(core)
+            continue
+        turns += 1
+        if at < 0:
+            return None, turns
+        full = chat.render(tokenizer, messages[:i], template, generation_prompt=True)
+        bare = chat.render(tokenizer, messages[:i], template)
+        common = next((k for k, (x, y) in enumerate(zip(full, bare)) if x != y), min(len(full), len(bare)))
+        prompt = full[common:]
+        found = text.rfind(prompt, pos, at + len(prompt)) if prompt else -1
+        start = found + len(prompt) if found >= 0 and found + len(prompt) <= at else at
+        end = at + len(core)
+        stop = next((k for k, (a, _) in enumerate(offsets) if ids[k] in stops and a >= end), None)
+        if stop is None:
+            return None, turns
+        for k, (a, b) in enumerate(offsets):
+            if (start <= a < offsets[stop][1]) if a == b else max(a, start) < min(b, offsets[stop][1]):
+                mask[k] = True
+        pos = offsets[stop][1]
+    return (ids, mask), turns
+
+
+def _difference(tokenizer, sample: Sample, expected, stops: list[int]) -> str:
+    """Where a sample's trained tokens and the audit's differ, with the tokens on both sides."""
+    if expected is None:
+        return f"line {sample.line}: the audit finds no answer, or no stop token after one, in the rendered text"
+    ids, mask = expected
+    if ids != sample.ids:
+        return f"line {sample.line}: the tokens differ from a second tokenization of the same text"
+    ours = [tokenizer.convert_ids_to_tokens(i) for i, m in zip(ids, sample.loss_mask) if m]
+    theirs = [tokenizer.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m]
+    k = next((k for k, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
+    turn = 1 + sum(i in stops for i in [i for i, m in zip(ids, mask) if m][:k])
+    shown = slice(max(0, k - 2), k + 4)
+    return f"line {sample.line}, assistant turn {turn}: trained {ours[shown]}, the audit expects {theirs[shown]}"
 
 
 def mask_html(tokenizer, sample: Sample) -> str:

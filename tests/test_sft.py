@@ -54,19 +54,126 @@ def test_bad_records_are_named_with_their_line(tmp_path):
     assert [t["role"] for t in sft.read(path)[0]["messages"]] == ["system", "user", "assistant"]
 
 
-def test_templates_that_cannot_mark_or_stop_are_refused(smol, tmp_path):
-    counting = "{{ messages | length }}" + sft.CHATML  # the text of a turn depends on the turns after it
-    with pytest.raises(sft.SFTError, match="prefixes of its turns"):
-        sft.encode(smol, CONVERSATION, counting)
+def test_templates_that_cannot_place_or_stop_a_turn_are_refused_naming_the_line(smol, tmp_path):
+    upper = sft.CHATML.replace("message['content'] + '<|im_end|>' }}{% endgeneration %}",
+                               "message['content'] | upper + '<|im_end|>' }}{% endgeneration %}")
+    with pytest.raises(sft.SFTError, match="line 1: the chat template rewrites the assistant message 2"):
+        sft.encode(smol, CONVERSATION, upper)
     no_end = sft.CHATML.replace("'<|im_end|>' }}{% endgeneration %}", "'' }}{% endgeneration %}")
-    with pytest.raises(sft.SFTError, match="never learns to stop"):
+    with pytest.raises(sft.SFTError, match=r"line 1: .* never learns to stop\. Name the token .* stop_tokens="):
         sft.encode(smol, CONVERSATION, no_end)
-    # markers around the newline after the end token too: transformers' mask and the boundary scan disagree
+    # markers around the newline after the end token too: transformers' mask and the cookbook's disagree
     wide = sft.CHATML.replace("{% endgeneration %}{{ '\\n' }}", "{{ '\\n' }}{% endgeneration %}")
     assert wide != sft.CHATML and sft.encode(smol, CONVERSATION, wide).template_agrees is False
     with pytest.raises(sft.SFTError, match="mark different tokens"):
         sft.prepare([CONVERSATION, CONVERSATION], tmp_path / "set", smollm2.hf_folder(), seq_length=64, template=wide)
     assert not (tmp_path / "set").exists()
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(CONVERSATION) + "\n")
+    with pytest.raises(sft.SFTError, match=f"{path}:1: the chat template rewrites"):
+        sft.prepare(path, tmp_path / "set", smollm2.hf_folder(), seq_length=64, template=upper, valid_fraction=0.0)
+
+
+BOUNDARIES = [{"line": 1, "messages": [{"role": "user", "content": "Greet me."},
+                                       {"role": "assistant", "content": "\nHello."}]},
+              {"line": 2, "messages": [{"role": "system", "content": ""}, {"role": "user", "content": "Agree."},
+                                       {"role": "assistant", "content": " Sure."}, {"role": "user", "content": "Go."},
+                                       {"role": "assistant", "content": "Done.  \n"}]},
+              {"line": 3, "messages": [{"role": "user", "content": "JSON?"},
+                                       {"role": "assistant", "content": '{"a": [1, 2]}\n'}]}]
+
+
+def _trained(tokenizer, sample) -> str:
+    return tokenizer.decode([i for i, m in zip(sample.ids, sample.loss_mask) if m])
+
+
+def test_answers_whose_edges_merge_with_the_template_are_prepared_with_exact_masks(smol, tmp_path):
+    """Finding 1 of the real-template review: an answer starting with a newline (merged with the header's), a
+    space, or ending in whitespace was refused by a text audit although its mask was right."""
+    summary = sft.prepare(BOUNDARIES, tmp_path / "set", smollm2.hf_folder(), seq_length=64, template="chatml",
+                          valid_fraction=0.0)
+    assert summary["audit"]["mismatched_samples"] == 0 and summary["audit"]["assistant_turns"] == 4
+    assert summary["audit"]["stop_tokens_trained"] == 4
+    first = sft.encode(smol, BOUNDARIES[0], "chatml")
+    # the answer's own newline is trained (SmolLM2 keeps it a token apart from the header's: Qwen2's merges them,
+    # and then the merged token is trained, as the model must produce it; tests/test_sft_real_templates.py)
+    assert _trained(smol, first) == "\nHello.<|im_end|>"
+    assert _trained(smol, sft.encode(smol, BOUNDARIES[1], "chatml")) == " Sure.<|im_end|>Done.  \n<|im_end|>"
+
+
+# Two real templates' formats (Mistral-7B-Instruct-v0.2's [INST] turns, DeepSeek-LLM-Chat's "User:"/"Assistant:"),
+# written here to test the cookbook's rules on SmolLM2's tokenizer; tests/test_sft_real_templates.py runs the
+# templates that models ship.
+INST = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] "
+        "+ ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}"
+        "{% endfor %}")
+USER_ASSISTANT = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ 'User: ' + "
+                  "message['content'] + '\n\n' }}{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + "
+                  "message['content'] + eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+                  "{{ 'Assistant:' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template", [INST, USER_ASSISTANT], ids=["inst", "user-assistant"])
+def test_multi_turn_inst_and_user_assistant_formats_are_prepared(smol, template, tmp_path):
+    """Finding 2: every multi-turn [INST] conversation and every DeepSeek-LLM-Chat conversation was refused."""
+    talk = {"line": 1, "messages": CONVERSATION["messages"][1:]}
+    summary = sft.prepare([talk, talk | {"line": 2}], tmp_path / "set", smollm2.hf_folder(), seq_length=64,
+                          template=template, valid_fraction=0.0)
+    assert summary["audit"]["mismatched_samples"] == 0 and summary["audit"]["stop_tokens_trained"] == 4
+    trained = _trained(smol, sft.encode(smol, talk, template))
+    # DeepSeek's generation prompt is "Assistant:", so the space before the answer is the model's to write
+    answers = " Paris.<|im_end|> Rome.<|im_end|>" if template is USER_ASSISTANT else "Paris.<|im_end|>Rome.<|im_end|>"
+    assert trained == answers
+
+
+def test_turn_end_tokens_come_from_the_models_generation_config(tmp_path):
+    """Finding 3: a model whose eos is not its turn end (Llama 3's <|end_of_text|> and <|eot_id|>, Gemma's <eos> and
+    <end_of_turn>) was refused as one that "never learns to stop", though generation_config.json lists the turn end."""
+    folder = tmp_path / "tokenizer"
+    tokenizer.copy(smollm2.hf_folder(), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<|endoftext|>"}))
+    hf = tokenizer.load(folder)
+    turn_end, eos = hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")
+    two = [CONVERSATION, CONVERSATION | {"line": 2}]
+    with pytest.raises(sft.SFTError, match=r"stop tokens \['<\|endoftext\|>'\] follows .* stop_tokens="):
+        sft.prepare(two, tmp_path / "set", folder, seq_length=64, template="chatml")
+    summary = sft.prepare(two, tmp_path / "set", folder, seq_length=64, template="chatml", stop_tokens=["<|im_end|>"])
+    assert summary["stop_tokens"] == ["<|im_end|>"] and summary["audit"]["stop_tokens_trained"] == 4
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [turn_end, eos]}))
+    summary = sft.prepare(two, tmp_path / "set", folder, seq_length=64, template="chatml")
+    assert summary["stop_tokens"] == ["<|im_end|>", "<|endoftext|>"] and summary["audit"]["mismatched_samples"] == 0
+    with pytest.raises(sft.SFTError, match="'<im_end>', which is not a token"):
+        sft.prepare([CONVERSATION], tmp_path / "set", folder, seq_length=64, stop_tokens=["<im_end>"])
+
+
+def test_special_token_text_typed_in_a_message_is_refused_with_its_line(smol, tmp_path):
+    """Finding 4: an answer typing "<|im_end|>" was tokenized as the stop token and trained mid-answer."""
+    typed = {"line": 7, "messages": [{"role": "user", "content": "How does ChatML end a turn?"},
+                                     {"role": "assistant", "content": "With <|im_end|> after the answer."}]}
+    with pytest.raises(sft.SFTError, match=r"line 7: message 1 types '<\|im_end\|>', the text of the special token"):
+        sft.prepare([CONVERSATION, typed], tmp_path / "set", smollm2.hf_folder(), seq_length=64, template="chatml")
+    assert not (tmp_path / "set").exists()
+
+
+NO_SYSTEM = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ raise_exception('System role not "
+             "supported') }}{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + "
+             "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_template_without_a_system_role_names_the_line_and_system_fold(smol, tmp_path):
+    """Finding 5: Gemma-2's "System role not supported" reached the user raw, without the line."""
+    with pytest.raises(sft.SFTError, match=r"line 1: the chat template refuses .* System role not supported.* "
+                                           r"system='fold'"):
+        sft.prepare([CONVERSATION, CONVERSATION | {"line": 2}], tmp_path / "set", smollm2.hf_folder(), seq_length=64,
+                    template=NO_SYSTEM)
+    summary = sft.prepare([CONVERSATION, CONVERSATION | {"line": 2}], tmp_path / "set", smollm2.hf_folder(),
+                          seq_length=64, template=NO_SYSTEM, system="fold", valid_fraction=0.0)
+    assert summary["system"] == "fold" and summary["audit"]["mismatched_samples"] == 0
+    folded = sft.encode(smol, CONVERSATION, NO_SYSTEM, system="fold")
+    assert "Answer in one word.\n\nCapital of France?" in smol.decode(folded.ids)
+    # the template trained with is the set's, for training to write into its checkpoints
+    assert (tmp_path / "set" / sft.TEMPLATE_FILE).read_text() == NO_SYSTEM
 
 
 def test_long_conversations_are_dropped_or_truncated_and_counted(smol):
@@ -78,6 +185,8 @@ def test_long_conversations_are_dropped_or_truncated_and_counted(smol):
     # truncated before its answer starts: no loss token left, so it never reaches training
     samples, counts = sft.encode_all(smol, [long], seq_length=12, truncation="truncate", template="chatml")
     assert samples == [] and counts.dropped_no_loss == 1 and counts.cross_checked == 1 and counts.disagreements == []
+    # truncated, then dropped: counted once, as dropped, so the counts add up to the conversations
+    assert counts.truncated == 0 and counts.conversations == len(samples) + counts.dropped_too_long + counts.dropped_no_loss
 
 
 def test_thd_lays_rows_end_to_end_with_each_conversations_offsets():
@@ -139,9 +248,10 @@ def padded_set(tmp_path_factory):
 
 
 def _sft_run(folder, micro_batch_size=8, global_batch_size=8, **fields):
-    return tiny_run(data=DataConfig(source="sft", paths=[str(folder)], seq_length=64, micro_batch_size=micro_batch_size,
-                                    global_batch_size=global_batch_size,
-                                    loss_average=fields.pop("loss_average", "token")), **fields)
+    overrides = fields.pop("model_overrides", None)
+    data = DataConfig(source="sft", paths=[str(folder)], seq_length=64, micro_batch_size=micro_batch_size,
+                      global_batch_size=global_batch_size, loss_average=fields.pop("loss_average", "token"))
+    return tiny_run(model_overrides=overrides, data=data, **fields)
 
 
 @pytest.mark.multiproc
@@ -243,3 +353,26 @@ def test_a_set_that_does_not_fit_the_run_is_refused_before_launch(packed_set, tm
     with pytest.raises(sft.SFTError, match="not a prepared SFT set"):
         sft.prepare([CONVERSATION], tmp_path / "mine", smollm2.hf_folder(), seq_length=64, valid_fraction=0.0)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep" and not (tmp_path / "mine.partial").exists()
+
+
+def test_checkpoints_carry_the_template_the_set_was_prepared_with(tmp_path):
+    """Finding 5: `prepare(template=X)` trained with X while the checkpoint kept the tokenizer's own template."""
+    from pai_cookbook import convert, train
+    from pai_cookbook.core import checkpoint
+    from pai_cookbook.tiny_models import make_tiny_hf_model
+
+    tokenizer.byte_level(sft.CHATML).save_pretrained(tmp_path / "tokenizer")
+    hf = make_tiny_hf_model("llama", tmp_path / "hf", tokenizer_dir=tmp_path / "tokenizer")
+    convert.hf_to_megatron(hf, tmp_path / "mcore", run_dir=tmp_path / "convert")
+    talks = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{n} + 1?"},
+                           {"role": "assistant", "content": f"{n + 1}."}]} for n in range(4)]
+    sft.prepare(talks, tmp_path / "set", tmp_path / "mcore" / checkpoint.HF_ASSETS, seq_length=64, template=NO_SYSTEM,
+                system="fold", valid_fraction=0.0)
+    config = _sft_run(tmp_path / "set", 1, 1, train_iters=1, eval_interval=0, model_overrides={"vocab_size": 259},
+                      checkpoint=CheckpointConfig(load_dir=str(tmp_path / "mcore"), save_dir=str(tmp_path / "save"),
+                                                  save_interval=1))
+    train.run(config, run_dir=tmp_path / "run")
+    saved = checkpoint.iteration_dir(tmp_path / "save", 1)
+    assert (saved / checkpoint.HF_ASSETS / sft.TEMPLATE_FILE).read_text() == NO_SYSTEM
+    assert checkpoint.load_tokenizer(saved).chat_template == NO_SYSTEM
+    assert checkpoint.load_tokenizer(tmp_path / "mcore").chat_template == sft.CHATML  # the base keeps its own

@@ -16,7 +16,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -130,9 +130,10 @@ def _state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
 
 
 def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, dtype: torch.dtype,
-                     assets: Path | None, **provenance: Any) -> Path:
+                     assets: Path | Sequence[Path] | None, **provenance: Any) -> Path:
     """The write protocol of every checkpoint (collective): rank 0 makes `<out>.partial`, all ranks save
-    their shards into it, rank 0 adds the config and assets and renames it to `out`."""
+    their shards into it, rank 0 adds the config and assets (from each folder of `assets` in turn, a later
+    one's files replacing an earlier one's) and renames it to `out`."""
     from megatron.core import dist_checkpointing
 
     partial = partial_dir(out)
@@ -145,15 +146,16 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
     torch.distributed.barrier()
     if rank0:
         write_config(partial, model, dtype, **provenance)
-        if assets is not None and assets.exists():
-            copy_assets(assets, partial / HF_ASSETS)
+        for folder in [assets] if isinstance(assets, Path) else assets or []:
+            if folder.exists():
+                copy_assets(folder, partial / HF_ASSETS)
         publish(partial, out)
     torch.distributed.barrier()
     return Path(out)
 
 
 def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dtype: torch.dtype, *,
-         assets: Path | None = None, **provenance: Any) -> Path:
+         assets: Path | Sequence[Path] | None = None, **provenance: Any) -> Path:
     """Save this rank's model chunks (collective: every rank calls it) into `out`, atomically."""
     return _save_collective(_state(chunks), out, model, dtype, assets, **_marks(chunks), **provenance)
 
@@ -253,7 +255,7 @@ def _training_state(chunks, optimizer, scheduler, step: int, is_loading: bool) -
 
 
 def save_training(chunks, optimizer, scheduler, step: int, save_dir: str | Path, model: ModelConfig,
-                  dtype: torch.dtype, layout: dict[str, int], *, keep_last: int, assets: Path | None = None,
+                  dtype: torch.dtype, layout: dict[str, int], *, keep_last: int, assets: Path | Sequence[Path] | None = None,
                   **state: Any) -> Path:
     """Save everything a run needs to continue exactly (collective), then keep only the last `keep_last`.
     `state`: small JSON values a worker keeps beside the weights (config.json; `read_state` returns them)."""

@@ -319,7 +319,7 @@ def seeded_passes(count: int, step: int, per_step: int, seed: int) -> list[int]:
     return chosen
 
 
-def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | None,
+def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | list[Path] | None,
                 **state: Any) -> Path | None:
     """Save a training checkpoint after step `done` when it is the last or a multiple of save_interval
     (collective; `state`: see `checkpoint.save_training`); returns its folder, or None when none was due."""
@@ -368,6 +368,8 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
         valid_set = sft.load(config.data.paths[0], "valid") if config.eval_interval else None
     ckpt = config.checkpoint
     assets = Path(ckpt.load_dir) / checkpoint.HF_ASSETS if ckpt.load_dir else _dataset_tokenizer(config)
+    if config.data.source == "sft":  # the chat template the set was rendered with replaces the tokenizer's own
+        assets = [folder for folder in (assets, Path(config.data.paths[0])) if folder is not None]
     tokens_per_step = config.data.global_batch_size * config.data.seq_length
     history: list[dict[str, float]] = []
     valid_losses: list[tuple[int, float]] = []
