@@ -63,7 +63,8 @@ class Located:
 
 def stop_ids(tokenizer, folder: str | Path | None = None, names: list[str] | None = None) -> list[int]:
     """The ids that end an assistant turn: the tokens `names` (`stop_tokens=`) when given, else the model's
-    `generation_config.json` eos ids in `folder` (Llama 3 and Gemma list their turn ends there) and the tokenizer's eos.
+    `generation_config.json` eos ids in `folder` (default: the folder the tokenizer was loaded from; Llama 3 and Gemma
+    list their turn ends there) and the tokenizer's eos.
 
     Raises:
         SFTError: a name that is not one token of the vocabulary.
@@ -78,6 +79,8 @@ def stop_ids(tokenizer, folder: str | Path | None = None, names: list[str] | Non
             ids.append(found)
         return ids
     found: Any = None
+    if folder is None and Path(str(getattr(tokenizer, "name_or_path", "") or "-")).is_dir():
+        folder = tokenizer.name_or_path  # the folder the tokenizer was loaded from: a model's or a checkpoint's
     config = Path(folder) / "generation_config.json" if folder is not None else None
     if config is not None and config.exists():
         found = json.loads(config.read_text()).get("eos_token_id")
@@ -85,6 +88,36 @@ def stop_ids(tokenizer, folder: str | Path | None = None, names: list[str] | Non
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def read(spec: str | Path | None, names: dict[str, str] | None = None) -> str | None:
+    """A chat template as a parameter names it: empty or None (the tokenizer's own: None), a name of `names`
+    (returned as is), a .jinja file, a Hugging Face model or tokenizer folder (its chat_template.jinja, else
+    tokenizer_config.json's), or Jinja text.
+
+    Raises:
+        SFTError: a folder without a template, or a string that is none of these.
+    """
+    if not spec:
+        return None
+    if names and spec in names:
+        return str(spec)
+    path = Path(spec)
+    if "{{" in str(spec) or "{%" in str(spec):
+        return str(spec)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if path.is_dir():
+        if (path / "chat_template.jinja").exists():
+            return (path / "chat_template.jinja").read_text(encoding="utf-8")
+        config = path / "tokenizer_config.json"
+        found = json.loads(config.read_text()).get("chat_template") if config.exists() else None
+        if isinstance(found, str):
+            return found
+        raise SFTError(f"{path} holds no chat template (chat_template.jinja, or a chat_template in "
+                       f"tokenizer_config.json); name a model folder that has one, or a .jinja file.")
+    raise SFTError(f"chat template {str(spec)[:80]!r} is not a file, a folder, Jinja text or one of "
+                   f"{sorted(names or [])}.")
 
 
 def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:

@@ -11,12 +11,12 @@ or step by step:
     batch = sft.batch(samples, rows, 512, pad_id)             # tokens, labels, loss_mask, document ids
 
 The whole conversation is rendered once with the tokenizer's chat template (or a named one) and tokenized
-once; the tokens of each assistant turn, its end-of-turn token included, carry the loss, nothing else
-does. Assistant spans are found by a boundary scan (render the conversation up to each assistant turn
-with the generation prompt, then through it: the turn is the text between, up to its end-of-turn token)
-and, where the template marks them with `{% generation %}`, by transformers' assistant mask too; the two
-must agree. What SFT tools get wrong is refused or counted here: prompt tokens in the loss, the end-of-turn
-token left out (the model never learns to stop), a second BOS, samples without a single loss token.
+once; each assistant turn, from the end of its generation prompt through its stop token, carries the loss,
+nothing else does (`chat_template`, which places the messages and refuses what cannot be trained right, naming
+the line and the way through). Where the template marks assistant turns with `{% generation %}`, transformers'
+assistant mask must agree; `audit` places the answers a second way and compares token by token. What SFT tools
+get wrong is refused or counted here: prompt tokens in the loss, the stop token left out (the model never learns
+to stop) or typed inside an answer, a second BOS, samples without a single loss token.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Sample:
     line: int = 0
     """The JSONL line it came from (1-based)."""
     template_agrees: bool | None = None
-    """Whether transformers' assistant mask equals the boundary scan (None: the template has no markers)."""
+    """Whether transformers' assistant mask equals the cookbook's (None: the template has no markers)."""
     truncated: bool = False
     """Cut at seq_length + 1 tokens (`encode_all` with truncation="truncate")."""
 
@@ -82,7 +82,7 @@ class Counts:
     dropped_no_loss: int = 0
     cross_checked: int = 0
     disagreements: list[int] = field(default_factory=list)
-    """Lines whose template mask and boundary scan differ."""
+    """Lines whose template mask and the cookbook's differ."""
     dropped_lines: list[int] = field(default_factory=list)
     """Lines of the conversations dropped (too long, or no loss token left)."""
 
@@ -134,6 +134,12 @@ def _messages(record: Any, where: str) -> list[dict[str, str]]:
         raise SFTError(f"{where}: the conversation has no assistant turn, so nothing to learn from it; "
                        f"add the answer as an \"assistant\" turn (or a \"response\").")
     return [{"role": turn["role"], "content": turn["content"]} for turn in messages]
+
+
+def read_template(spec: str | Path | None) -> str | None:
+    """A chat template named by a notebook parameter (`chat_template.read`): empty (the tokenizer's own), a name
+    of TEMPLATES, a .jinja file, a model folder, or Jinja text."""
+    return chat.read(spec, TEMPLATES)
 
 
 def _template(template: str | None) -> str | None:
@@ -360,7 +366,7 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
     options = {"stop_ids": stops, "system": system, "check_generation_prompt": check_generation_prompt}
     samples, counts = encode_all(hf, conversations, seq_length, template, truncation, **options)
     if counts.disagreements:
-        raise SFTError(f"lines {counts.disagreements[:10]}: transformers' assistant mask and the boundary scan "
+        raise SFTError(f"lines {counts.disagreements[:10]}: transformers' assistant mask and the cookbook's "
                        f"mark different tokens; the template's {{% generation %}} markers do not enclose exactly "
                        f"each assistant turn and its end token. Fix the template.")
     if counts.dropped_lines:

@@ -108,12 +108,12 @@ def check_extend(m: dict) -> None:
 
 
 def check_sft(m: dict) -> None:
-    # Masks, on every conversation of the notebook's set: the template's assistant mask and the boundary scan
-    # agree on all of them; the trained tokens of each decode to exactly its answers and their end tokens
-    # (no prompt token, no end token left out); no double BOS; nothing dropped.
+    # Masks, on every conversation of the notebook's set: the template's assistant mask and the cookbook's
+    # agree on all of them; the audit's independent placing of the answers gives every sample's trained tokens
+    # exactly (no prompt token, no stop token left out); no double BOS; nothing dropped.
     assert m["cross_checked"] == m["conversations"] == m["audit_samples"] and m["disagreements"] == 0
     assert m["audit_mismatched_samples"] == 0 and m["audit_double_bos"] == 0
-    assert m["audit_end_tokens_trained"] == m["audit_assistant_turns"] > m["conversations"]
+    assert m["audit_stop_tokens_trained"] == m["audit_assistant_turns"] > m["conversations"]
     # Packing (measured 98.4% real tokens packed, 12.0% padded).
     assert m["packed_efficiency"] >= 0.95 > m["padded_efficiency"] * 2
     # It learns; the exported model's validation loss from transformers (padding-free, per token) equals
