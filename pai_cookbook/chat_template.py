@@ -148,7 +148,10 @@ def render(tokenizer, messages: list[dict], template: str | None, generation_pro
 
 
 def _marked(messages: list[dict]) -> list[dict]:
-    return [m | {"content": MARK.format(i)} for i, m in enumerate(messages)]
+    """The conversation with a marker for each message; an empty prompt message stays empty (templates drop an
+    empty system message, Phi-3.5's, or write their default in its place, SmolLM3's): it has no text to place."""
+    return [m if not m["content"] and m["role"] != "assistant" else m | {"content": MARK.format(i)}
+            for i, m in enumerate(messages)]
 
 
 def _marks(text: str, count: int, where: str) -> list[tuple[int, int]]:

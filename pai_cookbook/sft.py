@@ -629,8 +629,14 @@ def _expected_mask(tokenizer, messages: list[dict], template: str | None, stops:
         common = next((k for k, (x, y) in enumerate(zip(full, bare)) if x != y), min(len(full), len(bare)))
         prompt = full[common:]
         found = text.rfind(prompt, pos, at + len(prompt)) if prompt else -1
-        start = found + len(prompt) if found >= 0 and found + len(prompt) <= at else at
         end = at + len(core)
+        if found >= 0 and found + len(prompt) <= at:  # the model writes everything after its generation prompt
+            start = found + len(prompt)
+        else:  # no generation prompt there: the answer as written, its leading whitespace too if the template keeps it
+            lead = message["content"][:len(message["content"]) - len(message["content"].lstrip())]
+            trimmed = messages[:i] + [message | {"content": message["content"].lstrip()}] + messages[i + 1:]
+            kept = lead and text[max(pos, at - len(lead)):at] == lead and chat.render(tokenizer, trimmed, template) != text
+            start = at - len(lead) if kept else at
         stop = next((k for k, (a, _) in enumerate(offsets) if ids[k] in stops and a >= end), None)
         if stop is None:
             return None, turns

@@ -114,6 +114,10 @@ def check_sft(m: dict) -> None:
     assert m["cross_checked"] == m["conversations"] == m["audit_samples"] and m["disagreements"] == 0
     assert m["audit_mismatched_samples"] == 0 and m["audit_double_bos"] == 0
     assert m["audit_stop_tokens_trained"] == m["audit_assistant_turns"] > m["conversations"]
+    # The real-template survey (section 3b): every template prepared, as it is or by the way through its refusal
+    # names; every answer's stop token trained; the audit reproduces every mask.
+    assert m["survey_templates"] == m["survey_prepared"] >= 13
+    assert m["survey_audit_mismatches"] == 0 and m["survey_untrained_stops"] == 0
     # Packing (measured 98.4% real tokens packed, 12.0% padded).
     assert m["packed_efficiency"] >= 0.95 > m["padded_efficiency"] * 2
     # It learns; the exported model's validation loss from transformers (padding-free, per token) equals
