@@ -11,24 +11,29 @@ before any worker starts; 1 on a worker failure). The training loop itself runs 
 Re-running never destroys finished work: with `checkpoint.resume` (the default) a run continues from
 save_dir's latest finished checkpoint (a run that reached train_iters has nothing left to do, and
 re-running it only reads its history); a save_dir that holds checkpoints is emptied only when the
-caller sets `checkpoint.overwrite=True` with `resume=False`.
+caller sets `checkpoint.overwrite=True` with `resume=False`. A resumed run is the run asked for: a longer
+run or a new schedule is applied and said (`resume_changes`), another model, precision, data or seed is
+refused. The launching process holds the save_dir's and run folder's locks (`core.lock`), so a second writer
+is refused before it deletes anything, and its workers end with it however it ends. A non-finite step stops
+the run before it saves anything, so the last checkpoint is always a finite one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pai_cookbook import data, sft
-from pai_cookbook.core import checkpoint, layout, nodes, runtime
+from pai_cookbook.core import checkpoint, layout, lock, nodes, runtime
 from pai_cookbook.core import launch as launcher
 from pai_cookbook.core.config import ConfigError, RunConfig
 from pai_cookbook.core.worker import Job
@@ -65,11 +70,56 @@ def preflight(config: RunConfig, world_size: int) -> None:
             raise ConfigError(f"cannot resume {latest[0]}: it was saved at {saved}, this run is {wanted}. Resume "
                               f"at the saved layout, or start a new run from it with checkpoint.load_dir (weights "
                               f"only; Megatron-Core reshards them) and another save_dir.")
+        changed = resume_changes(config, latest[0])
+        if changed:
+            print(f"train: resuming {latest[0]} with {', '.join(changed)}; the steps left follow the new values (the "
+                  f"learning-rate schedule is recomputed for them).")
         return
     if ckpt.overwrite:  # asked for by name: resume=False and overwrite=True
         shutil.rmtree(ckpt.save_dir, ignore_errors=True)
         return
     checkpoint.check_writable(ckpt.save_dir, False, "checkpoint.overwrite=True (or resume=True)")
+
+
+# What a resume may change: the worker builds the learning-rate schedule from the run asked for, so the steps left
+# follow new values. Anything else that differs (the model, its precision, the data stream, the seed) is another
+# run, refused by `resume_changes`.
+RESUMABLE = ("train_iters", "optimizer.lr", "optimizer.min_lr", "optimizer.lr_warmup_iters", "optimizer.lr_decay_style",
+             "optimizer.weight_decay", "optimizer.adam_beta1", "optimizer.adam_beta2", "optimizer.adam_eps",
+             "optimizer.clip_grad", "checkpoint", "log_interval", "eval_interval", "eval_iters", "data.micro_batch_size",
+             "memory", "precision.fp8")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def resume_changes(config: RunConfig, latest: Path) -> list[str]:
+    """What this run changes of the run that saved `latest` ("train_iters 6 -> 12"), where a resume may change it.
+
+    Raises:
+        ConfigError: a change that makes another run (the model's shape, its precision, the data, the seed), naming
+        both values and the fix; for checkpoints saved without their run, a model that differs.
+    """
+    asked = _flat(json.loads(json.dumps(dataclasses.asdict(config))))  # as JSON holds it: tuples as lists
+    saved = checkpoint.saved_run(latest)
+    if saved is None:  # saved before runs were recorded: the model is what can be compared
+        loaded, _ = checkpoint.read_config(latest)
+        saved = _flat({"model": dataclasses.asdict(loaded)})
+        asked = {k: v for k, v in asked.items() if k in saved}
+    else:
+        saved = _flat(saved)
+    differ = [k for k in sorted(set(saved) | set(asked)) if saved.get(k) != asked.get(k)]
+    training_only = {f"model.{name}" for name in _TRAINING_ONLY}
+    fixed = [k for k in differ if k not in training_only and not any(k == r or k.startswith(r + ".") for r in RESUMABLE)]
+    if fixed:
+        shown = "; ".join(f"{k}: saved {saved.get(k)!r}, asked {asked.get(k)!r}" for k in fixed[:6])
+        raise ConfigError(f"cannot resume {latest}: this run differs from the one that saved it in {shown}. A resume "
+                          f"continues the same run; start another with a new checkpoint.save_dir (load_dir={latest} "
+                          f"starts it from these weights), or replace this one with resume=False and overwrite=True.")
+    return [f"{k} {saved.get(k)!r} -> {asked.get(k)!r}" for k in differ]
 
 
 # ModelConfig fields that shape training but not the weights: a checkpoint may be trained on with others.
@@ -89,8 +139,20 @@ def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "ru
     """
     world = runtime.detect_launch_env().world_size(nproc_per_node)
     config.validate(world, runtime.detect_device())
-    preflight(config, world)
-    return launcher.launch(config, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+    with writing([config], run_dir):
+        preflight(config, world)
+        return launcher.launch(config, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+
+
+@contextlib.contextmanager
+def writing(configs: list[RunConfig], run_dir: str | Path) -> Iterator[None]:
+    """Hold the locks of the folders these runs write (`core.lock`), on node 0 (a multi-node job's other nodes
+    write what node 0's launch directs): a second writer is refused before its checks delete anything."""
+    with contextlib.ExitStack() as stack:
+        if runtime.detect_launch_env().node_rank == 0:
+            for folder in [run_dir] + [c.checkpoint.save_dir for c in configs if c.checkpoint.save_dir]:
+                stack.enter_context(lock.hold(folder, "training"))
+        yield
 
 
 @dataclass(kw_only=True)
@@ -131,11 +193,12 @@ def sweep(runs: Mapping[str, RunConfig], *, nproc_per_node: int = 1, run_dir: st
         raise ConfigError(f"sweep run names {sorted(runs)} give the same or an empty folder name "
                           f"({sorted(clashes)}); name the runs so that their letters and digits differ.")
     world = runtime.detect_launch_env().world_size(nproc_per_node)
-    for config in runs.values():
-        config.validate(world, runtime.detect_device())
-        preflight(config, world)
     job = Sweep(names=list(runs), folders=list(folders.values()), runs=list(runs.values()))
-    result = launcher.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+    with writing(list(runs.values()), run_dir):
+        for config in runs.values():
+            config.validate(world, runtime.detect_device())
+            preflight(config, world)
+        result = launcher.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
     return {name: run | {"layers": result["layers"]} for name, run in zip(runs, result["runs"])}
 
 

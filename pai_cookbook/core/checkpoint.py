@@ -77,14 +77,18 @@ def writing(out: str | Path, overwrite: bool) -> Iterator[Path]:
 
     Raises:
         FileExistsError: `out` holds files and overwrite is False.
+        lock.FolderInUse: another process writes `out` (checked before anything is removed).
     """
-    partial = prepare(out, overwrite)
-    try:
-        yield partial
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    publish(partial, out)
+    from pai_cookbook.core import lock
+
+    with lock.hold(out, "writing a checkpoint"):
+        partial = prepare(out, overwrite)
+        try:
+            yield partial
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        publish(partial, out)
 
 
 def publish(partial: Path, out: str | Path) -> Path:
@@ -256,17 +260,23 @@ def _training_state(chunks, optimizer, scheduler, step: int, is_loading: bool) -
 
 def save_training(chunks, optimizer, scheduler, step: int, save_dir: str | Path, model: ModelConfig,
                   dtype: torch.dtype, layout: dict[str, int], *, keep_last: int, assets: Path | Sequence[Path] | None = None,
-                  **state: Any) -> Path:
+                  run: dict[str, Any] | None = None, **state: Any) -> Path:
     """Save everything a run needs to continue exactly (collective), then keep only the last `keep_last`.
-    `state`: small JSON values a worker keeps beside the weights (config.json; `read_state` returns them)."""
+    `run`: the job that trained it (a resume compares itself with it: `saved_run`); `state`: small JSON values a
+    worker keeps beside the weights (config.json; `read_state` returns them)."""
     out = _save_collective(_training_state(chunks, optimizer, scheduler, step, is_loading=False),
                            iteration_dir(save_dir, step), model, dtype, assets, step=step, saved_at=layout,
-                           **_marks(chunks), **({"state": state} if state else {}))
+                           **_marks(chunks), **({"run": run} if run else {}), **({"state": state} if state else {}))
     if torch.distributed.get_rank() == 0:
         for old in finished_iterations(save_dir)[:-keep_last]:
             shutil.rmtree(old)
     torch.distributed.barrier()
     return out
+
+
+def saved_run(ckpt: str | Path) -> dict[str, Any] | None:
+    """The job (`dataclasses.asdict`) that trained a checkpoint; None for checkpoints saved before it was kept."""
+    return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("run")
 
 
 def read_state(ckpt: str | Path) -> dict[str, Any]:

@@ -98,6 +98,10 @@ def run_here(job: worker.Job, run: Callable[[Any, runtime.DeviceInfo], dict[str,
         return run(job, device)
 
 
+PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option: the signal a process gets when the thread that started it ends."""
+
+
 class WorkerError(RuntimeError):
     """A worker exited non-zero; carries the failing rank and the tail of its log."""
 
@@ -385,8 +389,33 @@ def _rank0_result(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: int, run_dir: str | Path,
-            timeout_s: float | None, show_progress: bool, echo: bool, env: dict[str, str] | None) -> dict[str, Any]:
+def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, run_dir: str | Path, **kwargs: Any) -> dict[str, Any]:
+    from pai_cookbook.core import lock
+
+    if launch_env.node_rank != 0:  # node 0's launch holds the run folder (a shared filesystem shows one lock)
+        return _launch_locked(job, launch_env, run_dir=run_dir, **kwargs)
+    with lock.hold(run_dir, job.WORKER.rsplit(".", 1)[-1]):  # two launches into one run folder would mix their files
+        return _launch_locked(job, launch_env, run_dir=run_dir, **kwargs)
+
+
+def _death_signal() -> Callable[[], None] | None:
+    """What the launched process runs before its program (Linux): it asks the kernel for SIGTERM when the launching
+    thread ends, however it ends (a notebook kernel restarted, the OOM killer), and torchrun then ends its workers as
+    on any SIGTERM. libc is looked up here, before the fork: the child only makes the call."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def _launch_locked(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: int, run_dir: str | Path,
+                   timeout_s: float | None, show_progress: bool, echo: bool,
+                   env: dict[str, str] | None) -> dict[str, Any]:
     device = runtime.detect_device()
     if device.is_cuda and nproc_per_node > device.count:
         raise ValueError(f"nproc_per_node={nproc_per_node} but this node has {device.count} GPU(s); "
@@ -434,7 +463,8 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
 
     with _Signals():
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
-                                start_new_session=True)  # own process group: a notebook interrupt reaches us only
+                                start_new_session=True,  # own process group: a notebook interrupt reaches us only
+                                preexec_fn=_death_signal())
         reader = threading.Thread(target=_stream, args=(proc, on_line, single_log), daemon=True)
         started = time.monotonic()
         try:

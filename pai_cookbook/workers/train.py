@@ -8,7 +8,9 @@ before launch; `main` joins the process group, trains (or continues) and always 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -135,6 +137,8 @@ def build(config: RunConfig, device: DeviceInfo, head: str = "lm"):
         lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=config.train_iters,
         lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
         wd_incr_steps=config.train_iters, wd_incr_style="constant",
+        # a resume follows the run asked for (train.preflight says what changed), not the checkpoint's schedule
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )
     if device.cpu_converters:  # the CPU path's converter (pai_cookbook.cpu); GPUs step with TE's or Apex's fused Adam
         from pai_cookbook.cpu import adam
@@ -329,7 +333,39 @@ def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, asset
     return checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model,
                                     torch_dtype(config.precision),
                                     layout.record(config.parallel, torch.distributed.get_world_size()),
-                                    keep_last=ckpt.keep_last, assets=assets, **state)
+                                    keep_last=ckpt.keep_last, assets=assets, run=dataclasses.asdict(config), **state)
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is not finite: the run stops there, before anything of it is saved."""
+
+
+def stop_non_finite(config: RunConfig, step: int, figures: dict[str, float], started_from: str | None) -> None:
+    """Stop the run at `step` (on every rank: the loss and gradient norm are global), naming the last finite
+    checkpoint, which survives: nothing is saved after a non-finite step, so `keep_last` never removes it."""
+    ckpt = config.checkpoint
+    finished = checkpoint.finished_iterations(ckpt.save_dir) if ckpt.save_dir else []
+    last = finished[-1] if finished else started_from
+    fp8_hint = " the FP8 recipe or margin (precision.fp8)," if config.precision.fp8 is not None else ""
+    raise NonFiniteError(
+        f"step {step}: the loss is {figures['loss']} and the gradient norm {figures['grad_norm']}; the run stops here "
+        f"and saves nothing of this step. The last finite checkpoint is {last or 'none (no checkpoint was saved)'}. "
+        f"Try a lower learning rate (optimizer.lr, now {config.optimizer.lr}), gradient clipping (optimizer.clip_grad, "
+        f"now {config.optimizer.clip_grad}),{fp8_hint} or bf16 rather than fp16; a re-run resumes from that checkpoint.")
+
+
+def _follow_the_run_asked_for(config: RunConfig, optimizer, scheduler) -> None:
+    """After a resume: the optimizer's parameter groups carry the saved run's peak and floor learning rates (which
+    Megatron-Core's schedule reads before its own) and Adam settings; give them the run asked for
+    (`train.resume_changes` allowed and said the change), and set this step's learning rate from the new schedule."""
+    opt = config.optimizer
+    for group in optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = opt.lr, opt.min_lr
+        if "betas" in group:
+            group["betas"] = (opt.adam_beta1, opt.adam_beta2)
+        if "eps" in group:
+            group["eps"] = opt.adam_eps
+    scheduler.step(increment=0)
 
 
 def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | None]:
@@ -343,6 +379,7 @@ def _restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str |
             from pai_cookbook.cpu import adam
 
             adam.fuse_adam(optimizer)
+        _follow_the_run_asked_for(config, optimizer, scheduler)
         return step, str(latest[0])
     if ckpt.load_dir:
         checkpoint.load(modules, ckpt.load_dir)
@@ -383,6 +420,10 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
         step_start = time.perf_counter()
         history.append(train_step(config, model, optimizer, scheduler, step, train_set))
         history[-1] |= log.throughput(time.perf_counter() - step_start)
+        if not all(math.isfinite(history[-1][k]) for k in ("loss", "grad_norm")):
+            log.write(step + 1, history[-1])
+            log.close()
+            stop_non_finite(config, step + 1, history[-1], started_from)
         if router is not None:
             history[-1] |= router.step()
         if fp8_backend == "emulated":  # per linear and operand: amax, scale, overflow and underflow fractions

@@ -1,0 +1,166 @@
+"""Work is never lost: a resumed run is the run asked for, and a non-finite step stops the run before it costs a
+checkpoint (the last finite one survives and resumes)."""
+
+import contextlib
+import dataclasses
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pai_cookbook import train
+from pai_cookbook.core import checkpoint, lock, worker
+from pai_cookbook.core.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    FP8Config,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+)
+from pai_cookbook.core.launch import WorkerError
+from tests.conftest import tiny_run
+
+QUIET = {"show_progress": False, "echo": False}
+DATA = DataConfig(seq_length=16, micro_batch_size=2, global_batch_size=2)
+
+
+def _run(save_dir, train_iters, lr=3e-4, **fields):
+    return tiny_run(train_iters=train_iters, data=DATA, optimizer=OptimizerConfig(lr=lr, min_lr=lr / 10),
+                    checkpoint=CheckpointConfig(save_dir=str(save_dir), save_interval=1, keep_last=2), **fields)
+
+
+def test_a_resumed_run_trains_its_new_steps_on_the_schedule_asked_for(tmp_path, capsys):
+    """A finished 2-step run asked again for 4 steps at 10x the learning rate: steps 3-4 follow the new schedule (the
+    checkpoint's, restored by Megatron-Core by default, would hold them at the old floor), and the change is said."""
+    train.run(_run(tmp_path / "ckpt", 2), run_dir=tmp_path / "r1", **QUIET)
+    capsys.readouterr()
+    longer = _run(tmp_path / "ckpt", 4, lr=3e-3)
+    resumed = train.run(longer, run_dir=tmp_path / "r2", **QUIET)
+    said = capsys.readouterr().out
+    assert "resuming" in said and "train_iters 2 -> 4" in said and "optimizer.lr 0.0003 -> 0.003" in said
+    fresh = train.run(dataclasses.replace(longer, checkpoint=CheckpointConfig(save_dir=str(tmp_path / "fresh"))),
+                      run_dir=tmp_path / "r3", **QUIET)
+    assert resumed["first_step"] == 2
+    assert resumed["lrs"] == pytest.approx(fresh["lrs"][2:], rel=1e-6)
+    assert min(resumed["lrs"]) > 3e-4  # above the old schedule's floor (3e-5) and its peak
+
+
+def test_a_resume_that_would_be_another_run_is_refused_before_launch(tmp_path):
+    """Another model shape, seed or data stream pointed at a save_dir is refused naming both values, not loaded."""
+    train.run(_run(tmp_path / "ckpt", 1), run_dir=tmp_path / "r1", **QUIET)
+    cases = {r"model.num_layers: saved 2, asked 4": _run(tmp_path / "ckpt", 2, model_overrides={"num_layers": 4}),
+             r"seed: saved 1234, asked 7": _run(tmp_path / "ckpt", 2, seed=7),
+             r"data.seq_length: saved 16, asked 32": dataclasses.replace(
+                 _run(tmp_path / "ckpt", 2), data=DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=2))}
+    for message, config in cases.items():
+        with pytest.raises(ConfigError, match=rf"cannot resume .*iter_0000001: .*{message}.* new checkpoint.save_dir"):
+            train.run(config, run_dir=tmp_path / "r2", **QUIET)
+        assert not (tmp_path / "r2").exists()
+
+
+def test_a_run_driven_to_nan_stops_at_that_step_and_its_last_finite_checkpoint_resumes(tmp_path):
+    """Continued with an FP8 setting the config accepts but no value survives (tensorwise scaling with a margin of
+    2**-200), the run stops at its first non-finite step, naming it and the last finite checkpoint; nothing of that
+    step is saved, `keep_last` keeps the finite ones, and the run asked again in full precision resumes from the last
+    finite checkpoint and trains to finite losses."""
+    save_dir = tmp_path / "ckpt"
+    train.run(_run(save_dir, 2), run_dir=tmp_path / "r1", **QUIET)
+    no_headroom = PrecisionConfig(fp8=FP8Config(recipe="tensorwise", margin=200))
+    with pytest.raises(WorkerError, match=r"step (\d+): the loss is (nan|inf).*last finite checkpoint is") as err:
+        train.run(_run(save_dir, 8, precision=no_headroom), run_dir=tmp_path / "r2", **QUIET)
+    stopped = int(re.search(r"step (\d+): the loss is", str(err.value)).group(1))
+    history = train.history(tmp_path / "r2")
+    assert stopped == 3 and history["steps"][-1] == 3 and not math.isfinite(history["losses"][-1])
+    kept = checkpoint.finished_iterations(save_dir)
+    assert [k.name for k in kept] == ["iter_0000001", "iter_0000002"]  # nothing of step 3, the finite ones kept
+    assert f"last finite checkpoint is {kept[-1]}" in str(err.value) and "precision.fp8" in str(err.value)
+    resumed = train.run(_run(save_dir, 4), run_dir=tmp_path / "r3", **QUIET)
+    assert resumed["started_from"] == str(kept[-1]) and all(math.isfinite(x) for x in resumed["losses"])
+
+
+def _holder(folder, tmp_path) -> subprocess.Popen:
+    """Another process holding `folder`'s lock (as a running launch does) until it is killed."""
+    ready = tmp_path / f"held-{Path(folder).name}"
+    code = (f"import time; from pathlib import Path; from pai_cookbook.core import lock\n"
+            f"with lock.hold({str(folder)!r}, 'training'):\n"
+            f"    Path({str(ready)!r}).touch(); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 120
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_second_writer_of_a_folder_is_refused_before_it_touches_it(tmp_path):
+    """Training into a save_dir or a run folder another process writes, and converting into an output another
+    process writes, are refused before any check deletes anything (a `.partial` of the first writer survives)."""
+    from pai_cookbook import convert
+    from pai_cookbook.tiny_models import make_tiny_hf_model
+
+    save_dir, run_dir, out = tmp_path / "ckpt", tmp_path / "run", tmp_path / "converted"
+    (save_dir / "iter_0000002.partial").mkdir(parents=True)  # the first writer's save in progress
+    holders = [_holder(folder, tmp_path) for folder in (save_dir, run_dir, out)]
+    try:
+        pid = holders[0].pid
+        with pytest.raises(lock.FolderInUse, match=rf"ckpt is being written by pid {pid} on .*training.*another folder"):
+            train.run(_run(save_dir, 2), run_dir=tmp_path / "other", **QUIET)
+        assert (save_dir / "iter_0000002.partial").exists() and not (tmp_path / "other").exists()
+        with pytest.raises(lock.FolderInUse, match=rf"run is being written by pid {holders[1].pid}"):
+            train.run(_run(tmp_path / "ckpt2", 2), run_dir=run_dir, **QUIET)
+        assert not (tmp_path / "ckpt2").exists()
+        hf = make_tiny_hf_model("llama", tmp_path / "hf")
+        with pytest.raises(lock.FolderInUse, match=rf"converted is being written by pid {holders[2].pid}"):
+            convert.hf_to_megatron(hf, out)
+        assert not out.exists() and not (tmp_path / "converted.partial").exists()
+    finally:
+        for proc in holders:
+            proc.kill()
+            proc.wait()
+    # the holders are gone (killed: their locks went with them): the folder is free, and whose lock was taken over
+    # is said
+    convert.hf_to_megatron(hf, out)
+    assert checkpoint.read_config(out)[0].num_layers == 2
+
+
+def _run_processes(run_dir: Path) -> list[psutil.Process]:
+    """Processes whose environment names `run_dir` as their run folder (the launcher sets it for torchrun, the
+    workers and what they start)."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(worker.RUN_DIR_ENV) == str(run_dir.resolve()):
+                found.append(proc)
+    return found
+
+
+@pytest.mark.multiproc
+def test_sigkill_of_the_launcher_ends_every_worker_and_the_rerun_resumes(tmp_path):
+    """A notebook kernel restarted (SIGKILL of the launching process) while 2 processes train: 10 s later nothing of
+    the run is alive, so the re-run is no second writer; it resumes from the last checkpoint and finishes."""
+    config = tiny_run(parallel=ParallelConfig(tensor_model_parallel_size=2), train_iters=400, data=DATA,
+                      checkpoint=CheckpointConfig(save_dir=str(tmp_path / "ckpt"), save_interval=5, keep_last=2))
+    config.save(tmp_path / "config.json")
+    code = (f"from pai_cookbook import train; from pai_cookbook.core.config import RunConfig; "
+            f"train.run(RunConfig.load({str(tmp_path / 'config.json')!r}), nproc_per_node=2, "
+            f"run_dir={str(tmp_path / 'r1')!r}, show_progress=False, echo=False)")
+    victim = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not checkpoint.finished_iterations(tmp_path / "ckpt") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checkpoint.finished_iterations(tmp_path / "ckpt"), "no checkpoint within 300 s"
+    assert len(_run_processes(tmp_path / "r1")) >= 3  # torchrun and its two workers
+    victim.kill()
+    victim.wait()
+    time.sleep(10)
+    assert _run_processes(tmp_path / "r1") == []
+    kept = checkpoint.finished_iterations(tmp_path / "ckpt")
+    shorter = dataclasses.replace(config, train_iters=int(kept[-1].name.split("_")[1]) + 5)
+    resumed = train.run(shorter, nproc_per_node=2, run_dir=tmp_path / "r2", **QUIET)
+    assert resumed["started_from"] == str(kept[-1]) and len(resumed["losses"]) == 5
