@@ -72,8 +72,11 @@ def _documents(path: Path, text_field: str) -> Iterator[str]:
                 if not isinstance(record, dict) or text_field not in record:
                     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                     raise DataError(f"{path}:{number}: no field {text_field!r} (found {keys}); set text_field.")
+                if record[text_field] and not isinstance(record[text_field], str):
+                    raise DataError(f"{path}:{number}: field {text_field!r} holds a {type(record[text_field]).__name__}, "
+                                    f"not text (its repr would be tokenized); point text_field at a string field.")
                 if record[text_field]:
-                    yield str(record[text_field])
+                    yield record[text_field]
     elif path.suffix == ".txt":
         paragraph: list[str] = []
         for line in path.read_text(encoding="utf-8").splitlines():

@@ -86,6 +86,10 @@ def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, ne
         FileExistsError: `out` holds files and overwrite is False.
     """
     base_dir, out = Path(base_dir), Path(out)
+    if isinstance(texts, (str, bytes)) or not all(isinstance(t, str) for t in texts):
+        found = type(texts).__name__ if isinstance(texts, (str, bytes)) else "a sequence holding other things"
+        raise ConfigError(f"texts must be a list of strings; got {found} (a single string would be learned one "
+                          f"character at a time). Pass [text], or the lines or documents of your corpus.")
     kind = vocabulary.kind(base_dir)
     if new_tokens < 1:
         raise ConfigError(f"new_tokens must be >= 1, got {new_tokens}.")

@@ -360,6 +360,14 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
     else:  # records given in memory get the checks a file's lines get, numbered from 1
         conversations = [{"messages": _messages(record, f"conversation {i}"), "line": record.get("line", i)}
                          for i, record in enumerate(source, start=1)]
+    empty = [c["line"] for c in conversations
+             if not any(m["content"].strip() for m in c["messages"] if m["role"] == "assistant")]
+    if empty and len(empty) == len(conversations):
+        raise SFTError(f"every answer of the {len(conversations)} conversations is empty: only stop tokens would be "
+                       f"trained (a model that stops at once). Check which field holds the answers.")
+    if empty:
+        warnings.warn(f"{len(empty)} of {len(conversations)} conversations have only empty answers (lines "
+                      f"{empty[:10]}): they teach the model to stop at once.", stacklevel=2)
     hf = tokenizers.load(tokenizer_dir)
     text = _template(template) or hf.chat_template
     stops = chat.stop_ids(hf, tokenizer_dir, stop_tokens)

@@ -67,7 +67,7 @@ def test_a_resume_that_would_be_another_run_is_refused_before_launch(tmp_path):
 
 def test_a_run_driven_to_nan_stops_at_that_step_and_its_last_finite_checkpoint_resumes(tmp_path):
     """Continued with an FP8 setting the config accepts but no value survives (tensorwise scaling with a margin of
-    2**-200), the run stops at its first non-finite step, naming it and the last finite checkpoint; nothing of that
+    2**-200, 0 in fp32), the run stops at its first non-finite step, naming it and the last finite checkpoint; nothing of that
     step is saved, `keep_last` keeps the finite ones, and the run asked again in full precision resumes from the last
     finite checkpoint and trains to finite losses."""
     save_dir = tmp_path / "ckpt"
@@ -164,3 +164,25 @@ def test_sigkill_of_the_launcher_ends_every_worker_and_the_rerun_resumes(tmp_pat
     shorter = dataclasses.replace(config, train_iters=int(kept[-1].name.split("_")[1]) + 5)
     resumed = train.run(shorter, nproc_per_node=2, run_dir=tmp_path / "r2", **QUIET)
     assert resumed["started_from"] == str(kept[-1]) and len(resumed["losses"]) == 5
+
+
+def test_inputs_that_gave_silent_wrong_results_or_raw_errors_are_refused_naming_the_fix(tmp_path):
+    """Found by the probe: a string where a list of texts belongs (learned a character at a time), a JSON text field
+    holding a dict (its repr tokenized), answers that are all empty (only stop tokens trained), 0 processes
+    (ZeroDivisionError)."""
+    import json
+
+    from pai_cookbook import data, extend, sft, smollm2
+
+    with pytest.raises(ConfigError, match=r"texts must be a list of strings; got str .* Pass \[text\]"):
+        extend.extend_tokenizer(smollm2.hf_folder(), "some string", tmp_path / "ext", 100)
+    assert not (tmp_path / "ext").exists()
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": {"content": "nested"}}) + "\n")
+    with pytest.raises(data.DataError, match=rf"{corpus}:2: field 'text' holds a dict, not text"):
+        list(data.read_documents(corpus))
+    empty = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]}] * 2
+    with pytest.raises(sft.SFTError, match="every answer of the 2 conversations is empty"):
+        sft.prepare(empty, tmp_path / "set", smollm2.hf_folder(), seq_length=64)
+    with pytest.raises(ConfigError, match=r"nproc_per_node=0; give the number of processes"):
+        train.run(_run(tmp_path / "ckpt", 1), nproc_per_node=0, run_dir=tmp_path / "r", **QUIET)

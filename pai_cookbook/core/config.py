@@ -84,6 +84,13 @@ class ParallelConfig:
         return world_size // (tp * pp)
 
 
+MAX_AMAX_HISTORY = 8192
+"""The longest amax history FP8Config accepts (Transformer Engine's default: 1024)."""
+MAX_FP8_MARGIN = 1023
+"""2**margin is a float up to here (2**1024 overflows in the worker). Margins that leave the scale 0 in fp32 (above
+~150) pass this check and fail at their first step: the non-finite guard stops the run there and names FP8."""
+
+
 @dataclass(kw_only=True)
 class FP8Config:
     """FP8 GEMMs: the seed's `--fp8-hybrid --fp8-amax-compute-algo max --fp8-amax-history-len 1024` map one to
@@ -120,7 +127,17 @@ class FP8Config:
                  f"amax_compute_algo {self.amax_compute_algo!r} is not 'max' or 'most_recent'.")
         _require(self.backend in ("auto", "te", "emulated"), f"fp8 backend {self.backend!r} is not auto, te or emulated.")
         _positive(self, "amax_history_len")
-        _require(self.margin >= 0, f"margin {self.margin} must be >= 0 (the scale is divided by 2**margin).")
+        # the history is one float per step for every FP8 operand of every linear layer, kept on the device
+        mib = self.amax_history_len * 4 / 2**20
+        _require(self.amax_history_len <= MAX_AMAX_HISTORY,
+                 f"amax_history_len {self.amax_history_len} keeps that many floats per FP8 operand (~{mib:,.0f} MiB "
+                 f"each); use at most {MAX_AMAX_HISTORY} (Transformer Engine's default is 1024).")
+        _require(0 <= self.margin <= MAX_FP8_MARGIN,
+                 f"margin {self.margin} must lie in [0, {MAX_FP8_MARGIN}]: the scale is divided by 2**margin, which "
+                 f"overflows beyond that (typical margins are 0 to 2).")
+        _require(self.num_layers_at_start_in_bf16 >= 0 and self.num_layers_at_end_in_bf16 >= 0,
+                 f"num_layers_at_start_in_bf16 {self.num_layers_at_start_in_bf16} and num_layers_at_end_in_bf16 "
+                 f"{self.num_layers_at_end_in_bf16} count layers kept in bf16; they must be >= 0.")
         _require(not (self.first_last_layers_bf16 and self.recipe == "delayed"),
                  "first_last_layers_bf16 cannot be combined with delayed scaling (Megatron-Core refuses it too); "
                  "use recipe='tensorwise' or 'blockwise', or first_last_layers_bf16=False.")

@@ -174,6 +174,11 @@ class LaunchEnv:
     """True when a scheduler provided the rendezvous (MASTER_ADDR and friends)."""
 
     def world_size(self, nproc_per_node: int) -> int:
+        from pai_cookbook.core.config import ConfigError
+
+        if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+            raise ConfigError(f"nproc_per_node={nproc_per_node!r}; give the number of processes on each machine, "
+                              f"1 or more (the GPUs per node on a GPU machine).")
         return self.nnodes * nproc_per_node
 
 
