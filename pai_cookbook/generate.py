@@ -284,18 +284,37 @@ def generate(ckpt: str | Path, prompts: Sequence[str | dict[str, Any]], config: 
         k: out[k] for k in ("tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree")}
 
 
+class NotSaved(OSError):
+    """Completions generated but not written (`generate_file`): `.result` holds them."""
+
+    def __init__(self, errno: int | None, message: str, result: dict[str, Any]):
+        super().__init__(errno, message)
+        self.result = result
+
+
 def generate_file(ckpt: str | Path, input_path: str | Path, output_path: str | Path,
                   config: GenerationConfig | None = None, **kwargs: Any) -> dict[str, Any]:
     """JSONL (or one prompt per line) in, JSONL out: `generate` on every record of `input_path`.
 
     The output path is checked before anything is generated: a run's completions are never lost to an
-    output that turns out to be a directory or read-only.
+    output that turns out to be a directory or read-only. They are written to `<output>.partial` and renamed,
+    so the output is whole or absent; a write that fails (a full disk) raises `NotSaved`, which names the path
+    and the cause and carries the completions (`.result`), so they are never lost.
     """
     output_path = Path(output_path)
     check_output_file(output_path)
     result = generate(ckpt, read_prompts(input_path), config, **kwargs)
-    output_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result["records"]),
-                           encoding="utf-8")
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result["records"])
+    partial = output_path.with_name(output_path.name + ".partial")
+    try:
+        partial.write_text(lines, encoding="utf-8")
+        os.replace(partial, output_path)
+    except OSError as err:
+        partial.unlink(missing_ok=True)
+        raise NotSaved(err.errno, f"could not write {output_path}: {err.strerror or err}. The "
+                                  f"{len(result['records'])} completions are not lost: this error's .result holds "
+                                  f"them (`except generate.NotSaved as e: e.result['records']`); free space or give "
+                                  f"another output, then write them", result) from err
     return result
 
 
@@ -335,6 +354,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except WorkerError as err:
         print(f"pai_cookbook.generate: {err}", file=sys.stderr)
+        return 1
+    except NotSaved as err:  # the last place the completions can go is this process's standard output
+        print(f"pai_cookbook.generate: {err.strerror}; they follow on standard output, one JSON record a line",
+              file=sys.stderr)
+        for record in err.result["records"]:
+            print(json.dumps(record, ensure_ascii=False))
         return 1
     print(f"{len(result['records'])} completions -> {opts['output']}; {result['generated_tokens']} tokens at "
           f"{result['tokens_per_s']:.1f} tokens/s ({runtime.detect_device().name})")

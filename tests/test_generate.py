@@ -274,3 +274,30 @@ def test_a_new_batch_never_reuses_the_previous_batchs_mask():
         masks.append(attention._per_step(context, "mask", 2, 1, lambda p=padding: attention.left_padded_mask(p, 5, 1)))
     assert torch.equal(masks[1], attention.left_padded_mask(torch.tensor([2, 0]), 5, 1))
     assert not torch.equal(masks[0], masks[1])
+
+
+def test_a_full_disk_at_the_end_keeps_the_completions_and_leaves_no_half_output(tmp_path, checkpoints, monkeypatch):
+    """Issue 39, finding 4: every completion was generated, then the write failed on a full disk: the completions
+    were lost and a 0-byte file was left. Now the output is whole or absent, and the error carries the completions."""
+    import errno
+    from pathlib import Path
+
+    ckpt = checkpoints["llama"][1]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\n")
+    output = tmp_path / "out.jsonl"
+    write_text = Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        if path.name.endswith(".partial"):
+            write_text(path, "{\"half\"")  # a write cut short
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    config = generate.GenerationConfig(max_new_tokens=4)
+    with pytest.raises(generate.NotSaved, match=rf"could not write {output}: No space left on device\. The 2 "
+                                                r"completions are not lost") as err:
+        generate.generate_file(ckpt, prompts, output, config, run_dir=tmp_path / "run", show_progress=False)
+    assert [r["prompt"] for r in err.value.result["records"]] == ["one", "two"]
+    assert not output.exists() and not (tmp_path / "out.jsonl.partial").exists()
