@@ -186,3 +186,18 @@ def test_inputs_that_gave_silent_wrong_results_or_raw_errors_are_refused_naming_
         sft.prepare(empty, tmp_path / "set", smollm2.hf_folder(), seq_length=64)
     with pytest.raises(ConfigError, match=r"nproc_per_node=0; give the number of processes"):
         train.run(_run(tmp_path / "ckpt", 1), nproc_per_node=0, run_dir=tmp_path / "r", **QUIET)
+
+
+def test_a_checkpoint_write_that_fills_the_disk_says_so_with_the_folder(tmp_path, monkeypatch):
+    """Issue 39, finding 4: torch_dist's writer reports a full disk as "unexpected pos 704 vs 598", with neither the
+    cause nor the path."""
+    import errno
+    import shutil
+
+    folder = tmp_path / "ckpt" / "iter_0000002.partial"
+    raw = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert checkpoint.disk_full(raw, folder) is raw  # a disk with room: the error as it was
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100, 100, 0))
+    said = checkpoint.disk_full(raw, folder)
+    assert isinstance(said, OSError) and said.errno == errno.ENOSPC
+    assert f"No space left on device while saving {folder} (0 bytes free" in str(said) and "unexpected pos" in str(said)

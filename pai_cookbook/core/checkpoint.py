@@ -13,6 +13,7 @@ mid-write leaves only the .partial folder, which no loader opens.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -146,7 +147,13 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(tree, str(partial))
+    try:
+        dist_checkpointing.save(tree, str(partial))
+    except Exception as err:
+        said = disk_full(err, partial)
+        if said is err:
+            raise
+        raise said from err
     torch.distributed.barrier()
     if rank0:
         write_config(partial, model, dtype, **provenance)
@@ -156,6 +163,22 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
         publish(partial, out)
     torch.distributed.barrier()
     return Path(out)
+
+
+DISK_FULL_BYTES = 64 * 2**20
+"""Free space under which a failed save is taken for a full disk."""
+
+
+def disk_full(err: BaseException, folder: Path) -> BaseException:
+    """A save that failed on a full disk, said as such with the folder: torch_dist's writer reports one as
+    "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598". Any other error is returned as it is."""
+    where = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(where).free
+    if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or free < DISK_FULL_BYTES:
+        return OSError(errno.ENOSPC, f"No space left on device while saving {folder} ({free:,} bytes free there; "
+                                     f"{type(err).__name__}: {str(err)[:200]}). Free space or save elsewhere; a "
+                                     f"re-run resumes from the last finished checkpoint")
+    return err
 
 
 def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dtype: torch.dtype, *,
