@@ -22,8 +22,9 @@ over the whole batch, as the training worker averages SFT's loss; PPO's critic a
 Sampling is at temperature 1 with neither top-k nor top-p: the completions are drawn from the policy
 itself, so the importance ratios and the engine-vs-trainer check compare like with like. Reward functions
 are `reward(completion: str, record: dict) -> float` named as "module:function" (they run in the workers;
-`pai_cookbook.rewards` has the built-in ones); each is tried on every prompt before launch. A reward model is
-a checkpoint `reward_model.train` wrote, with the policy's tokenizer.
+`pai_cookbook.rewards` has the built-in ones); each is tried on every prompt before launch (an empty completion,
+the prompt's own text, the record's answer), and one that fails on a sampled completion stops the run after it saves
+the steps finished. A reward model is a checkpoint `reward_model.train` wrote, with the policy's tokenizer.
 """
 
 from __future__ import annotations
@@ -319,9 +320,10 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
     reward_model = _reward_model(reward, policy)
     functions = [(f"the reward function {spec}", resolve_reward(spec)) for spec in
                  ([reward] if reward_model is None else []) + [true_reward] if spec]
-    for what, function in functions:  # one that fails on an empty completion fails on the first bad sample too
+    for what, function in functions:  # tried on what a sampled completion may be: empty, text, the answer itself
         for record in records + eval_records:
-            score(function, "", record, what)
+            for completion in dict.fromkeys(["", prompt_text(record)[:200], str(record.get("answer", ""))]):
+                score(function, completion, record, what)
     hf = checkpoint.load_tokenizer(policy)
     prompt_ids = [tokenizer.encode(hf, record, config.chat_template) for record in records]
     eval_ids = [tokenizer.encode(hf, record, config.chat_template) for record in eval_records]

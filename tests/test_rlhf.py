@@ -173,3 +173,20 @@ def test_bad_config_and_reference_are_refused(converted, llama, no_launch):
     with pytest.raises(ConfigError, match="sequence_parallel=True is not supported by Megatron-Core's static"):
         rlhf.grpo(llama, PROMPTS, REWARD, parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
                   nproc_per_node=2)
+
+
+def test_a_reward_that_fails_mid_run_saves_the_finished_steps_and_the_rerun_resumes(llama, tmp_path):
+    """Issue 39, finding 5: a reward that raised at step 3 ended the run with nothing saved (save_interval=0). Now the
+    error names the prompt and completion, the 2 finished steps are saved, and the same call with a working reward
+    resumes there."""
+    from pai_cookbook.core.launch import WorkerError
+
+    config = CONFIG.__class__(**{**vars(CONFIG), "steps": 4})
+    save_dir = tmp_path / "grpo"
+    with pytest.raises(WorkerError, match=r"raised ValueError: the reward service timed out on prompt \d+ .*completion "
+                                          r".*The 2 steps finished are saved in .*iter_0000002"):
+        rlhf.grpo(llama, PROMPTS, "tests.workers.rewards:fails_on_the_third_step", config, save_dir=save_dir,
+                  run_dir=tmp_path / "r1", show_progress=False, echo=False)
+    resumed = rlhf.grpo(llama, PROMPTS, "tests.workers.rewards:fails_on_the_third_step", config, save_dir=save_dir,
+                        run_dir=tmp_path / "r2", show_progress=False, echo=False)
+    assert resumed["first_step"] == 2 and len(resumed["steps"]) == 2

@@ -37,6 +37,7 @@ from pai_cookbook.core import checkpoint, runtime, worker
 from pai_cookbook.core.model import build_model, torch_dtype
 from pai_cookbook.core.tokenizer import MegatronView
 from pai_cookbook.generate import GenerationConfig
+from pai_cookbook.rl import RLError
 from pai_cookbook.rlhf import RLJob
 from pai_cookbook.workers import generate as engine_worker
 from pai_cookbook.workers import train as trainer
@@ -92,9 +93,14 @@ def _function_scores(spec: str, rollouts: list[dict[str, Any]], records: list[di
     values: list[Any] = [None]
     if worker.rank() == 0:
         function = rlhf.resolve_reward(spec)
-        values = [[rlhf.score(function, hf_tokenizer.decode(r["tokens"], skip_special_tokens=True),
-                              records[r["prompt"]], f"the reward function {spec}") for r in rollouts]]
+        try:
+            values = [[rlhf.score(function, hf_tokenizer.decode(r["tokens"], skip_special_tokens=True),
+                                  records[r["prompt"]], f"the reward function {spec}") for r in rollouts]]
+        except RLError as err:  # every rank learns of it (none waits on the broadcast), then they save and stop
+            values = [str(err)]
     torch.distributed.broadcast_object_list(values, src=0)
+    if isinstance(values[0], str):
+        raise RLError(values[0])
     return values[0]
 
 
@@ -462,8 +468,12 @@ def train(job: RLJob, device) -> dict[str, Any]:
     ckpt, history, saved = config.checkpoint, [], None
     for step in range(first_step, g.steps):
         coef = controller.coef if controller is not None else 0.0
-        figures, rollouts = rl_step(job, step, model, reference, optimizer, scheduler, engine, hf_tokenizer, replay,
-                                    reward_model, critic, coef)
+        try:
+            figures, rollouts = rl_step(job, step, model, reference, optimizer, scheduler, engine, hf_tokenizer,
+                                        replay, reward_model, critic, coef)
+        except RLError as err:  # a reward failed on a sample: keep the steps finished so far, then stop
+            kept = _save_before_stopping(job, step, model, optimizer, scheduler, critic, controller, saved)
+            raise RLError(f"{err} {kept}") from err
         done = step + 1
         if controller is not None and g.kl_target is not None:
             controller.update(figures["kl_sequence"], g.rows)
@@ -491,6 +501,22 @@ def train(job: RLJob, device) -> dict[str, Any]:
     return {"first_step": first_step, "started_from": started_from, "steps": history, "evals": evals,
             "checkpoint": str(saved) if saved else None, "world_size": torch.distributed.get_world_size(),
             "device": device.name}
+
+
+def _save_before_stopping(job: RLJob, done: int, model, optimizer, scheduler, critic, controller, saved) -> str:
+    """Save the `done` steps finished before a failure (collective), unless the last checkpoint holds them; returns
+    what to tell the user."""
+    config = job.run
+    ckpt = config.checkpoint
+    if not ckpt.save_dir or done == 0:
+        return "No step had finished; nothing was saved."
+    if saved is None or Path(saved) != checkpoint.iteration_dir(ckpt.save_dir, done):
+        state = {"kl_coef": controller.coef} if controller is not None else {}
+        saved = trainer.save_now(config, model, optimizer, scheduler, done, Path(ckpt.load_dir) / checkpoint.HF_ASSETS,
+                                 **state)
+        if critic is not None:
+            trainer.save_now(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
+    return f"The {done} steps finished are saved in {saved}; fix the reward and run the same call again to resume."
 
 
 @worker.entry(RLJob)

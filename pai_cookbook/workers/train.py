@@ -330,6 +330,13 @@ def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, asset
     ckpt = config.checkpoint
     if not ckpt.save_dir or not (done == config.train_iters or (ckpt.save_interval and done % ckpt.save_interval == 0)):
         return None
+    return save_now(config, model, optimizer, scheduler, done, assets, **state)
+
+
+def save_now(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | list[Path] | None,
+             **state: Any) -> Path:
+    """Save a training checkpoint after step `done` into save_dir (collective)."""
+    ckpt = config.checkpoint
     return checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model,
                                     torch_dtype(config.precision),
                                     layout.record(config.parallel, torch.distributed.get_world_size()),

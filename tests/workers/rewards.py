@@ -13,3 +13,15 @@ def raises(completion: str, record: dict) -> float:
 
 def text(completion: str, record: dict):
     return "1.0"
+
+
+CALLS = [0]
+
+
+def fails_on_the_third_step(completion: str, record: dict) -> float:
+    """`brevity`, until its 17th call in a process: the first completion of the third step of a run of 8
+    completions a step (the launcher's checks before launch are another process)."""
+    CALLS[0] += 1
+    if CALLS[0] > 16:
+        raise ValueError("the reward service timed out")
+    return brevity(completion, record)
