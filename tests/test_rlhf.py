@@ -190,3 +190,17 @@ def test_a_reward_that_fails_mid_run_saves_the_finished_steps_and_the_rerun_resu
     resumed = rlhf.grpo(llama, PROMPTS, "tests.workers.rewards:fails_on_the_third_step", config, save_dir=save_dir,
                         run_dir=tmp_path / "r2", show_progress=False, echo=False)
     assert resumed["first_step"] == 2 and len(resumed["steps"]) == 2
+
+
+def test_a_reward_importable_only_through_the_callers_sys_path_is_imported_by_the_workers(llama, tmp_path,
+                                                                                         monkeypatch):
+    """Issue 39, finding 5: a notebook that put its rewards' folder on sys.path passed the checks before launch, and
+    the workers failed to import the reward."""
+    folder = tmp_path / "my_rewards"
+    folder.mkdir()
+    (folder / "notebook_reward.py").write_text("def short(completion, record):\n    return -len(completion) / 100\n")
+    monkeypatch.syspath_prepend(str(folder))
+    config = CONFIG.__class__(**{**vars(CONFIG), "steps": 1})
+    result = rlhf.grpo(llama, PROMPTS, "notebook_reward:short", config, run_dir=tmp_path / "run", show_progress=False,
+                       echo=False)
+    assert len(result["steps"]) == 1 and result["steps"][0]["reward"] <= 0

@@ -398,6 +398,23 @@ def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, run_dir: str | Pa
         return _launch_locked(job, launch_env, run_dir=run_dir, **kwargs)
 
 
+def user_paths() -> list[str]:
+    """The folders on this process's sys.path that Python did not put there (not under its prefixes, not a
+    site-packages): a notebook's `sys.path.insert(0, "my_rewards")`, which a worker needs to import the same names."""
+    roots = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    found = []
+    for entry in sys.path:
+        if not entry or not Path(entry).is_dir():
+            continue
+        path = Path(entry).resolve()
+        if any(path == root or root in path.parents for root in roots) or path.name in ("site-packages",
+                                                                                        "dist-packages"):
+            continue
+        if str(path) not in found:
+            found.append(str(path))
+    return found
+
+
 def _death_signal() -> Callable[[], None] | None:
     """What the launched process runs before its program (Linux): it asks the kernel for SIGTERM when the launching
     thread ends, however it ends (a notebook kernel restarted, the OOM killer), and torchrun then ends its workers as
@@ -438,6 +455,9 @@ def _launch_locked(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_
     else:
         argv = torchrun_argv(job.WORKER, [str(job_file)], nproc_per_node, launch_env, log_dir)
     child_env.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc_per_node)))
+    added = user_paths()
+    if added:  # what the caller put on sys.path (a notebook's folder of reward functions) the workers import too
+        child_env["PYTHONPATH"] = os.pathsep.join(added + [p for p in [child_env.get("PYTHONPATH")] if p])
     if job.REPEATED_STEPS and device.cpu_converters:  # pai_cookbook.cpu.CONVERTERS["glibc_keep_freed_memory"]
         child_env.setdefault(GLIBC_TUNABLES_ENV, KEEP_FREED_MEMORY)
     # The workers' own tqdm bars (Megatron-Core's static engine draws one per generate call: a line per GRPO
