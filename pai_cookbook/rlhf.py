@@ -440,8 +440,22 @@ def _run(policy, prompts, reward, config: GRPOConfig, *, nproc_per_node: int, ru
                   true_reward=true_reward, parallel=parallel, save_dir=save_dir, overwrite=overwrite)
     world = runtime.detect_launch_env().world_size(nproc_per_node)
     job.check(world, runtime.detect_device())
-    train.preflight(job.run, world)
-    return launch.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+    with train.writing([job.run], run_dir):
+        train.preflight(job.run, world)
+        _check_resumed_reward(job)
+        return launch.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+
+
+def _check_resumed_reward(job: RLJob) -> None:
+    """A resume keeps the reward it was trained with: another one is another run (a finished run asked again with
+    another reward would otherwise return at once, with the old checkpoint)."""
+    ckpt = job.run.checkpoint
+    latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
+    saved = checkpoint.read_state(latest[0]).get("reward") if latest else None
+    if saved is not None and saved != job.reward:
+        raise ConfigError(f"cannot resume {latest[0]}: it was trained with the reward {saved!r}, this run asks "
+                          f"{job.reward!r}. A resume continues the same run; give another save_dir (the new run can "
+                          f"start from {latest[0]} as its policy), or overwrite=True to replace this one.")
 
 
 def history(run_dir: str | Path) -> dict[str, list[Any]]:

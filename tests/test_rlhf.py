@@ -190,6 +190,12 @@ def test_a_reward_that_fails_mid_run_saves_the_finished_steps_and_the_rerun_resu
     resumed = rlhf.grpo(llama, PROMPTS, "tests.workers.rewards:fails_on_the_third_step", config, save_dir=save_dir,
                         run_dir=tmp_path / "r2", show_progress=False, echo=False)
     assert resumed["first_step"] == 2 and len(resumed["steps"]) == 2
+    # asked again with another reward: another run, not a resume (it used to return at once with the old checkpoint)
+    with pytest.raises(ConfigError, match=r"cannot resume .*iter_0000004: it was trained with the reward "
+                                          r"'tests.workers.rewards:fails_on_the_third_step', this run asks "
+                                          r"'tests.workers.rewards:brevity'"):
+        rlhf.grpo(llama, PROMPTS, REWARD, config, save_dir=save_dir, run_dir=tmp_path / "r3", show_progress=False,
+                  echo=False)
 
 
 def test_a_reward_importable_only_through_the_callers_sys_path_is_imported_by_the_workers(llama, tmp_path,

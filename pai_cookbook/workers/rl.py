@@ -477,7 +477,7 @@ def train(job: RLJob, device) -> dict[str, Any]:
         done = step + 1
         if controller is not None and g.kl_target is not None:
             controller.update(figures["kl_sequence"], g.rows)
-        state = {"kl_coef": controller.coef} if controller is not None else {}
+        state = {"reward": job.reward} | ({"kl_coef": controller.coef} if controller is not None else {})
         saved = trainer.save_if_due(config, model, optimizer, scheduler, done,
                                     Path(ckpt.load_dir) / checkpoint.HF_ASSETS, **state) or saved
         if critic is not None:
@@ -511,7 +511,7 @@ def _save_before_stopping(job: RLJob, done: int, model, optimizer, scheduler, cr
     if not ckpt.save_dir or done == 0:
         return "No step had finished; nothing was saved."
     if saved is None or Path(saved) != checkpoint.iteration_dir(ckpt.save_dir, done):
-        state = {"kl_coef": controller.coef} if controller is not None else {}
+        state = {"reward": job.reward} | ({"kl_coef": controller.coef} if controller is not None else {})
         saved = trainer.save_now(config, model, optimizer, scheduler, done, Path(ckpt.load_dir) / checkpoint.HF_ASSETS,
                                  **state)
         if critic is not None:
