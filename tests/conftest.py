@@ -58,3 +58,23 @@ def no_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a worker was launched for an input that should have been refused")
     monkeypatch.setattr(launch, "launch", fail)
+
+
+def train_in_background(config: RunConfig, folder, nproc: int, run_dir, poll_s: float = 0.01):
+    """`train.run(config)` in another Python process (a notebook kernel, say), returned once its save_dir holds a
+    finished checkpoint (or after 300 s)."""
+    import subprocess
+    import sys
+    import time
+
+    from pai_cookbook.core import checkpoint
+
+    config.save(folder / "config.json")
+    code = (f"from pai_cookbook import train; from pai_cookbook.core.config import RunConfig; "
+            f"train.run(RunConfig.load({str(folder / 'config.json')!r}), nproc_per_node={nproc}, "
+            f"run_dir={str(run_dir)!r}, show_progress=False, echo=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not checkpoint.finished_iterations(config.checkpoint.save_dir) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return proc

@@ -3,8 +3,6 @@
 import dataclasses
 import json
 import subprocess
-import sys
-import time
 
 import psutil
 import pytest
@@ -13,7 +11,7 @@ from pai_cookbook import train
 from pai_cookbook.core import checkpoint, families
 from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, OptimizerConfig, ParallelConfig
 from pai_cookbook.workers import train as train_worker
-from tests.conftest import tiny_run
+from tests.conftest import tiny_run, train_in_background
 
 
 def test_checkpoints_are_saved_atomically_and_never_overwritten_silently(tmp_path):
@@ -52,14 +50,7 @@ def test_killed_run_resumes_exactly(tmp_path):
                         checkpoint=CheckpointConfig(save_dir=str(save_dir), save_interval=4, keep_last=10))
     reference = train.run(config(tmp_path / "ref"), nproc_per_node=nproc, run_dir=tmp_path / "r0",
                           show_progress=False, echo=False)["losses"]
-    config(tmp_path / "ckpt").save(tmp_path / "config.json")
-    code = (f"from pai_cookbook import train; from pai_cookbook.core.config import RunConfig; "
-            f"train.run(RunConfig.load({str(tmp_path / 'config.json')!r}), nproc_per_node={nproc}, "
-            f"run_dir={str(tmp_path / 'r1')!r}, show_progress=False, echo=False)")
-    victim = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not checkpoint.finished_iterations(tmp_path / "ckpt") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    victim = train_in_background(config(tmp_path / "ckpt"), tmp_path, nproc, tmp_path / "r1")
     _kill_tree(victim)
     kept = checkpoint.finished_iterations(tmp_path / "ckpt")
     assert kept and kept[-1].name != f"iter_{steps:07d}", "the run must be killed before it finishes"

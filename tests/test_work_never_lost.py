@@ -25,7 +25,7 @@ from pai_cookbook.core.config import (
     PrecisionConfig,
 )
 from pai_cookbook.core.launch import WorkerError
-from tests.conftest import tiny_run
+from tests.conftest import tiny_run, train_in_background
 
 QUIET = {"show_progress": False, "echo": False}
 DATA = DataConfig(seq_length=16, micro_batch_size=2, global_batch_size=2)
@@ -146,14 +146,7 @@ def test_sigkill_of_the_launcher_ends_every_worker_and_the_rerun_resumes(tmp_pat
     the run is alive, so the re-run is no second writer; it resumes from the last checkpoint and finishes."""
     config = tiny_run(parallel=ParallelConfig(tensor_model_parallel_size=2), train_iters=400, data=DATA,
                       checkpoint=CheckpointConfig(save_dir=str(tmp_path / "ckpt"), save_interval=5, keep_last=2))
-    config.save(tmp_path / "config.json")
-    code = (f"from pai_cookbook import train; from pai_cookbook.core.config import RunConfig; "
-            f"train.run(RunConfig.load({str(tmp_path / 'config.json')!r}), nproc_per_node=2, "
-            f"run_dir={str(tmp_path / 'r1')!r}, show_progress=False, echo=False)")
-    victim = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not checkpoint.finished_iterations(tmp_path / "ckpt") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    victim = train_in_background(config, tmp_path, 2, tmp_path / "r1", poll_s=0.05)
     assert checkpoint.finished_iterations(tmp_path / "ckpt"), "no checkpoint within 300 s"
     assert len(_run_processes(tmp_path / "r1")) >= 3  # torchrun and its two workers
     victim.kill()

@@ -62,7 +62,7 @@ def hold(folder: str | Path, what: str) -> Iterator[None]:
             _HELD[path][1] -= 1
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+")  # noqa: SIM115 (held past this frame: closed in the finally below)
+    handle = open(path, "a+")  # held past this frame: closed in the finally below
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
