@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 MARK = "\ue000{}\ue001"
 """A message's stand-in while the template's own text is located (private-use characters no template writes)."""
@@ -78,13 +77,11 @@ def stop_ids(tokenizer, folder: str | Path | None = None, names: list[str] | Non
                                f"that ends an assistant turn as the template writes it (e.g. '<|eot_id|>').")
             ids.append(found)
         return ids
-    found: Any = None
+    from pai_cookbook.core import tokenizer as tokenizers
+
     if folder is None and Path(str(getattr(tokenizer, "name_or_path", "") or "-")).is_dir():
         folder = tokenizer.name_or_path  # the folder the tokenizer was loaded from: a model's or a checkpoint's
-    config = Path(folder) / "generation_config.json" if folder is not None else None
-    if config is not None and config.exists():
-        found = json.loads(config.read_text()).get("eos_token_id")
-    ids = [found] if isinstance(found, int) else list(found or [])
+    ids = tokenizers.eos_ids(folder, tokenizer) if folder is not None else []
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
@@ -225,7 +222,8 @@ def locate(tokenizer, messages: list[dict], template: str | None, where: str = "
     return Located(text=text, spans=spans, turns=turns)
 
 
-def _overlaps(token: tuple[int, int], start: int, end: int) -> bool:
+def overlaps(token: tuple[int, int], start: int, end: int) -> bool:
+    """Whether a token's character span (an empty one: its position) falls in [start, end)."""
     a, b = token
     return start <= a < end if a == b else max(a, start) < min(b, end)
 
@@ -263,6 +261,6 @@ def mask(tokenizer, located: Located, stops: list[int], where: str = "") -> tupl
                            f"generation_config.json lists its stop tokens as eos_token_id).")
         end = offsets[stop][1]
         for k, o in enumerate(offsets):
-            if _overlaps(o, turn.train_start, end):
+            if overlaps(o, turn.train_start, end):
                 keep[k] = True
     return ids, keep

@@ -141,18 +141,11 @@ def root() -> Path:
 
 
 def _write_atomically(folder: Path, fill) -> Path:
-    """Make `folder` by filling `<folder>.partial` and renaming it: a killed build leaves no half folder."""
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    """Make `folder` by filling `<folder>.partial` (`checkpoint.writing`: one writer, published whole or not at all)."""
+    from pai_cookbook.core import checkpoint
+
+    with checkpoint.writing(folder, overwrite=True) as partial:
         fill(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if folder.exists():
-        shutil.rmtree(folder)
-    partial.rename(folder)
     return folder
 
 
@@ -227,7 +220,7 @@ def _checked_generation_eos(tokenizer, case: Case) -> list[int]:
         found = tokenizer.convert_ids_to_tokens(token_id)
         if found != token:
             raise RuntimeError(f"{case.id}: generation_config.json lists {token_id} as {token!r}, but the "
-                                 f"{case.vocab} vocabulary has {found!r} there; the pairing is wrong.")
+                               f"{case.vocab} vocabulary has {found!r} there; the pairing is wrong.")
         ids.append(token_id)
     return ids
 

@@ -158,7 +158,8 @@ def encode(tokenizer, conversation: dict[str, Any], template: str | None = None,
     assistant mask where the template marks assistant turns with `{% generation %}`.
 
     Args:
-        stop_ids: the ids that end a turn (`chat_template.stop_ids`); default: the tokenizer's eos.
+        stop_ids: the ids that end a turn; default `chat_template.stop_ids(tokenizer)`: the generation config's eos
+            ids in the folder the tokenizer was loaded from, and the tokenizer's eos.
         system: "keep", or "fold" the system message into the first user turn (templates without a system role).
         check_generation_prompt: refuse a template whose generation prompt is not what it writes before an answer.
     Raises:
@@ -648,8 +649,8 @@ def _expected_mask(tokenizer, messages: list[dict], template: str | None, stops:
         stop = next((k for k, (a, _) in enumerate(offsets) if ids[k] in stops and a >= end), None)
         if stop is None:
             return None, turns
-        for k, (a, b) in enumerate(offsets):
-            if (start <= a < offsets[stop][1]) if a == b else max(a, start) < min(b, offsets[stop][1]):
+        for k, token in enumerate(offsets):
+            if chat.overlaps(token, start, offsets[stop][1]):
                 mask[k] = True
         pos = offsets[stop][1]
     return (ids, mask), turns

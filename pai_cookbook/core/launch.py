@@ -392,9 +392,10 @@ def _rank0_result(result: dict[str, Any]) -> dict[str, Any]:
 def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, run_dir: str | Path, **kwargs: Any) -> dict[str, Any]:
     from pai_cookbook.core import lock
 
-    if launch_env.node_rank != 0:  # node 0's launch holds the run folder (a shared filesystem shows one lock)
-        return _launch_locked(job, launch_env, run_dir=run_dir, **kwargs)
-    with lock.hold(run_dir, job.WORKER.rsplit(".", 1)[-1]):  # two launches into one run folder would mix their files
+    # two launches into one run folder would mix their files; node 0's launch holds it (a shared filesystem shows
+    # one lock to every node)
+    held = lock.hold(run_dir, job.WORKER.rsplit(".", 1)[-1]) if launch_env.node_rank == 0 else contextlib.nullcontext()
+    with held:
         return _launch_locked(job, launch_env, run_dir=run_dir, **kwargs)
 
 

@@ -477,9 +477,8 @@ def train(job: RLJob, device) -> dict[str, Any]:
         done = step + 1
         if controller is not None and g.kl_target is not None:
             controller.update(figures["kl_sequence"], g.rows)
-        state = {"reward": job.reward} | ({"kl_coef": controller.coef} if controller is not None else {})
         saved = trainer.save_if_due(config, model, optimizer, scheduler, done,
-                                    Path(ckpt.load_dir) / checkpoint.HF_ASSETS, **state) or saved
+                                    Path(ckpt.load_dir) / checkpoint.HF_ASSETS, **_saved_state(job, controller)) or saved
         if critic is not None:
             trainer.save_if_due(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
         if done == g.steps or (g.eval_interval and done % g.eval_interval == 0):
@@ -503,6 +502,12 @@ def train(job: RLJob, device) -> dict[str, Any]:
             "device": device.name}
 
 
+def _saved_state(job: RLJob, controller) -> dict[str, Any]:
+    """What an RL checkpoint keeps beside its weights: the reward it was trained with (a resume with another is
+    refused: `rlhf._check_resumed_reward`) and PPO's KL coefficient."""
+    return {"reward": job.reward} | ({"kl_coef": controller.coef} if controller is not None else {})
+
+
 def _save_before_stopping(job: RLJob, done: int, model, optimizer, scheduler, critic, controller, saved) -> str:
     """Save the `done` steps finished before a failure (collective), unless the last checkpoint holds them; returns
     what to tell the user."""
@@ -511,9 +516,8 @@ def _save_before_stopping(job: RLJob, done: int, model, optimizer, scheduler, cr
     if not ckpt.save_dir or done == 0:
         return "No step had finished; nothing was saved."
     if saved is None or Path(saved) != checkpoint.iteration_dir(ckpt.save_dir, done):
-        state = {"reward": job.reward} | ({"kl_coef": controller.coef} if controller is not None else {})
         saved = trainer.save_now(config, model, optimizer, scheduler, done, Path(ckpt.load_dir) / checkpoint.HF_ASSETS,
-                                 **state)
+                                 **_saved_state(job, controller))
         if critic is not None:
             trainer.save_now(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
     return f"The {done} steps finished are saved in {saved}; fix the reward and run the same call again to resume."
