@@ -112,6 +112,10 @@ def resolve_checkpoint(path: str | Path, language_model: bool = True) -> Path:
     if not (path / checkpoint.CONFIG_FILE).exists():
         latest = checkpoint.finished_iterations(path)
         path = latest[-1] if latest else path
+    problem = checkpoint.damage(path) if (path / ".metadata").exists() else None
+    if problem:
+        raise ConfigError(f"{path} is damaged: {problem}. Give an earlier checkpoint; a training run resumed into "
+                          f"its save_dir sets the damaged one aside and continues from the last complete one.")
     if language_model and checkpoint.head(path) != "lm":  # head() raises with what is missing
         raise ConfigError(f"{path} is a reward model (a scalar head instead of logits over the vocabulary): it "
                           f"scores completions and cannot generate or be trained as a policy. Give a language "

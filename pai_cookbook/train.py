@@ -63,6 +63,9 @@ def preflight(config: RunConfig, world_size: int) -> None:
         return
     for unfinished in Path(ckpt.save_dir).glob(f"{checkpoint.ITER_PREFIX}*{checkpoint.PARTIAL_SUFFIX}"):
         shutil.rmtree(unfinished)  # a killed save's leftovers: never loadable, and they hold disk
+    if ckpt.resume:
+        for line in checkpoint.set_damaged_aside(ckpt.save_dir):
+            print(f"train: {line}; resuming from the last complete checkpoint.")
     latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:]
     if latest and ckpt.resume:
         saved, wanted = checkpoint.saved_layout(latest[0]) or {}, layout.record(config.parallel, world_size)

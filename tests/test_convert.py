@@ -1,6 +1,7 @@
 """Checkpoint conversion: parity with transformers at every layout, bitwise round trips, resharding,
 and a specific error for every bad input (before any worker starts)."""
 
+import io
 import json
 import shutil
 
@@ -217,3 +218,43 @@ def test_a_chunk_missing_from_the_metadata_is_found(converted):
     lost = next(iter(metadata.storage_data))
     holed = dataclasses.replace(metadata, storage_data={k: v for k, v in metadata.storage_data.items() if k != lost})
     assert [c.key for c in unwritten_chunks(chunks, holed)] == [lost.fqn]
+
+
+def test_a_weight_holding_nan_or_inf_is_refused_by_name_in_both_directions(tmp_path, tiny_llama):
+    from safetensors.torch import load_file, save_file
+
+    from pai_cookbook.core.hf_mapping import NonFiniteWeights
+
+    victim = next(p for p in sorted(tiny_llama.glob("model-*.safetensors"))
+                  if any(n.endswith("down_proj.weight") for n in load_file(p)))
+    tensors = load_file(victim)
+    name = sorted(n for n in tensors if n.endswith("down_proj.weight"))[0]
+    clean = tensors[name].clone()
+    tensors[name][0, 0], tensors[name][1, 1] = float("nan"), float("inf")
+    save_file(tensors, victim, metadata={"format": "pt"})
+    out = tmp_path / "ckpt"
+    with pytest.raises(NonFiniteWeights, match=rf"{name} in .*{victim.name} holds 1 NaN and 1 Inf of its"):
+        convert.hf_to_megatron(tiny_llama, out)
+    assert not out.exists() and not checkpoint.partial_dir(out).exists()
+
+    # the other direction: a Megatron checkpoint that holds NaN (written by something other than the cookbook's
+    # training, which stops before saving non-finite weights) is refused on export
+    tensors[name] = clean
+    save_file(tensors, victim, metadata={"format": "pt"})
+    convert.hf_to_megatron(tiny_llama, out)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(str(out))
+    item = next(info for index, info in reader.read_metadata().storage_data.items() if "final_layernorm" in index.fqn)
+    path = out / item.relative_path
+    data = bytearray(path.read_bytes())
+    stored = torch.load(io.BytesIO(bytes(data[item.offset:item.offset + item.length])), weights_only=True)
+    stored[0] = float("nan")
+    buffer = io.BytesIO()
+    torch.save(stored, buffer)
+    assert len(buffer.getvalue()) == item.length  # same bytes length: the item is replaced in place
+    data[item.offset:item.offset + item.length] = buffer.getvalue()
+    path.write_bytes(bytes(data))
+    with pytest.raises(NonFiniteWeights, match=r"decoder.final_layernorm.weight in .* holds 1 NaN and 0 Inf"):
+        convert.megatron_to_hf(out, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

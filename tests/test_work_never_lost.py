@@ -31,9 +31,10 @@ QUIET = {"show_progress": False, "echo": False}
 DATA = DataConfig(seq_length=16, micro_batch_size=2, global_batch_size=2)
 
 
-def _run(save_dir, train_iters, lr=3e-4, **fields):
+def _run(save_dir, train_iters, lr=3e-4, checkpoint_keep=2, **fields):
     return tiny_run(train_iters=train_iters, data=DATA, optimizer=OptimizerConfig(lr=lr, min_lr=lr / 10),
-                    checkpoint=CheckpointConfig(save_dir=str(save_dir), save_interval=1, keep_last=2), **fields)
+                    checkpoint=CheckpointConfig(save_dir=str(save_dir), save_interval=1, keep_last=checkpoint_keep),
+                    **fields)
 
 
 def test_a_resumed_run_trains_its_new_steps_on_the_schedule_asked_for(tmp_path, capsys):
@@ -194,3 +195,25 @@ def test_a_checkpoint_write_that_fills_the_disk_says_so_with_the_folder(tmp_path
     said = checkpoint.disk_full(raw, folder)
     assert isinstance(said, OSError) and said.errno == errno.ENOSPC
     assert f"No space left on device while saving {folder} (0 bytes free" in str(said) and "unexpected pos" in str(said)
+
+
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_last_complete_one(tmp_path, capsys):
+    """The latest checkpoint's tensor file cut short (a disk that filled after the save, a copy cut short): a resume
+    sets it aside (kept, never loaded) and continues from the one before, exactly; generation refuses it by name."""
+    from pai_cookbook import generate
+
+    first = train.run(_run(tmp_path / "ckpt", 3, checkpoint_keep=3), run_dir=tmp_path / "r1", **QUIET)
+    latest = checkpoint.finished_iterations(tmp_path / "ckpt")[-1]
+    assert latest.name == "iter_0000003"
+    victim = sorted(latest.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1000])
+    assert "bytes, its tensors need" in checkpoint.damage(latest)
+    with pytest.raises(ConfigError, match=rf"iter_0000003 is damaged: {victim.name} is \d+ bytes"):
+        generate.resolve_checkpoint(tmp_path / "ckpt")
+    capsys.readouterr()
+    resumed = train.run(_run(tmp_path / "ckpt", 3, checkpoint_keep=3), run_dir=tmp_path / "r2", **QUIET)
+    said = capsys.readouterr().out
+    assert "iter_0000003 is damaged" in said and "set aside as iter_0000003.damaged" in said
+    assert resumed["first_step"] == 2 and resumed["losses"] == first["losses"][2:]
+    assert (tmp_path / "ckpt" / "iter_0000003.damaged" / victim.name).exists()
+    assert checkpoint.damage(checkpoint.finished_iterations(tmp_path / "ckpt")[-1]) is None

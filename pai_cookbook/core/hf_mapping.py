@@ -113,6 +113,27 @@ def to_megatron(kind: str, tensors: list[torch.Tensor], model: ModelConfig, padd
     raise ValueError(f"unknown conversion kind {kind!r}")
 
 
+class NonFiniteWeights(ValueError):
+    """A checkpoint tensor holds NaN or Inf: converting it would publish a model that can only produce NaN."""
+
+
+def check_finite(name: str, tensor: torch.Tensor, where: str) -> torch.Tensor:
+    """`tensor`, after checking that every value is finite (done on the tensor the conversion reads anyway, so it
+    costs a pass over memory, not over the disk).
+
+    Raises:
+        NonFiniteWeights: naming the tensor, the file it came from and how many of its values are NaN / Inf.
+    """
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        nan = int(torch.isnan(tensor).sum())
+        inf = int(torch.isinf(tensor).sum())
+        raise NonFiniteWeights(
+            f"{name} in {where} holds {nan} NaN and {inf} Inf of its {tensor.numel()} values; the conversion stops "
+            f"before publishing anything. The model that wrote it diverged or the file is damaged: convert an earlier "
+            f"checkpoint (or the original download) instead.")
+    return tensor
+
+
 def to_hf(kind: str, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
     """Split one Megatron parameter back into its HF tensors (exact inverse of `to_megatron`)."""
     if kind == "copy":

@@ -55,8 +55,9 @@ class _HFReader:
     def __call__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(self.source.folder / self.source.tensors[name][0], framework="pt") as f:
-            return f.get_tensor(name)
+        path = self.source.folder / self.source.tensors[name][0]
+        with safe_open(path, framework="pt") as f:
+            return hf_mapping.check_finite(name, f.get_tensor(name), str(path))
 
 
 @dataclass(frozen=True)
@@ -176,13 +177,18 @@ def write_megatron(source: HFCheckpoint, partial: Path) -> dict[str, Any]:
     """Stream `source` into a torch_dist checkpoint in `partial` (runs in a 1-process worker)."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, save
+    from torch.distributed.checkpoint.api import CheckpointException
 
     model, dtype = source.model, source.dtype
     chunks, pyt_state, _ = chunk_layout(model, dtype)
     planner = _lazy_planner(model, _HFReader(source), chunks, model.padded_vocab_size(1))
-    with _without_zip_crc32():
-        save(pyt_state, planner=planner,
-             storage_writer=FileSystemWriter(partial, single_file_per_rank=True, thread_count=WRITE_THREADS))
+    try:
+        with _without_zip_crc32():
+            save(pyt_state, planner=planner,
+                 storage_writer=FileSystemWriter(partial, single_file_per_rank=True, thread_count=WRITE_THREADS))
+    except CheckpointException as err:  # DCP wraps the writing thread's error (a BaseException): raise the cause
+        (cause, _), *_ = err.failures.values()
+        raise (planner.errors[0] if planner.errors else cause) from None
     # DCP's extra writer threads die alone on an exception and `save` still writes the metadata: check that
     # every chunk was built and stored, or the caller would publish a checkpoint with holes.
     if planner.errors:
@@ -360,6 +366,7 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
             shard, shard_bytes = {}, 0
 
         for name, tensor in iter_megatron_params(ckpt, model, dtype, head):
+            hf_mapping.check_finite(name, tensor, str(ckpt))
             kind, hf_names = ("copy", ("score.weight",)) if head == "reward" and name == "output_layer.weight" \
                 else hf_mapping.hf_names(name, model)
             for hf_name, hf_tensor in zip(hf_names, hf_mapping.to_hf(kind, tensor, model)):
