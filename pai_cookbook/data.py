@@ -13,6 +13,7 @@ separated by blank lines).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -182,9 +183,15 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
                "vocab_size": len(hf_tokenizer), "eod": eod, "tokenizer": str(Path(tokenizer_dir).resolve()),
                "tokenizer_sha256": tokenizer.fingerprint(tokenizer_dir),
                "inputs": [str(p) for p in inputs]}
-    for suffix in (".bin", ".idx"):  # the pair appears only when complete
+    summary |= _fingerprint(tmp)
+    # Published sidecar last, and the old one removed first: a preparation killed between these renames leaves files
+    # that `describe` refuses (no sidecar, or one whose fingerprint is of other files), never a mismatched pair.
+    sidecar = Path(f"{prefix}{SIDECAR_SUFFIX}")
+    sidecar.unlink(missing_ok=True)
+    for suffix in (".bin", ".idx"):
         os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
-    Path(f"{prefix}{SIDECAR_SUFFIX}").write_text(json.dumps(summary, indent=2))
+    Path(f"{tmp}{SIDECAR_SUFFIX}").write_text(json.dumps(summary, indent=2))
+    os.replace(f"{tmp}{SIDECAR_SUFFIX}", sidecar)
     return summary | {"files": [f"{prefix}.bin", f"{prefix}.idx"]}
 
 
@@ -217,13 +224,26 @@ def _write_dataset(inputs: Sequence[str | Path], tmp: Path, hf_tokenizer: Any, t
     return documents, tokens
 
 
+def _fingerprint(prefix: str | Path) -> dict[str, Any]:
+    """What ties a sidecar to its pair: the .bin's size and the .idx's hash (the index is small: 12 bytes a document)."""
+    return {"bin_bytes": os.path.getsize(f"{prefix}.bin"),
+            "idx_sha256": hashlib.sha256(Path(f"{prefix}.idx").read_bytes()).hexdigest()}
+
+
 def describe(prefix: str | Path) -> dict[str, Any]:
-    """The sidecar summary of a prepared dataset; a clear error when the dataset is missing or empty."""
+    """The sidecar summary of a prepared dataset; a clear error when the dataset is missing, empty, or its files are
+    not the ones its sidecar describes (a preparation killed while publishing)."""
     prefix = Path(prefix)
     for suffix in (".bin", ".idx", SIDECAR_SUFFIX):
         if not Path(f"{prefix}{suffix}").exists():
-            raise DataError(f"dataset {prefix} has no {prefix.name}{suffix}; prepare it with data.prepare(...).")
+            raise DataError(f"dataset {prefix} has no {prefix.name}{suffix}; prepare it with data.prepare(...) (a "
+                            f"preparation interrupted while publishing its files leaves the dataset without one).")
     summary = json.loads(Path(f"{prefix}{SIDECAR_SUFFIX}").read_text())
+    recorded = {key: summary[key] for key in ("bin_bytes", "idx_sha256") if key in summary}
+    if recorded and recorded != _fingerprint(prefix):
+        raise DataError(f"dataset {prefix}: {prefix.name}.bin/.idx are not the files its sidecar {prefix.name}"
+                        f"{SIDECAR_SUFFIX} describes (a preparation was interrupted while publishing them). Prepare it "
+                        f"again with data.prepare(...).")
     if summary["tokens"] == 0:
         raise DataError(f"dataset {prefix} holds no tokens; prepare it from non-empty inputs.")
     return summary

@@ -152,3 +152,36 @@ def test_a_checkpoint_trained_from_scratch_carries_the_datasets_tokenizer(tmp_pa
     # the same vocabulary as the dataset's; no config.json, which would describe another model
     assert tokenizer.fingerprint(assets) == data.describe(tmp_path / "ds")["tokenizer_sha256"]
     assert not (assets / "config.json").exists()
+
+
+@pytest.mark.parametrize("killed_after", [1, 2], ids=["between-bin-and-idx", "before-the-sidecar"])
+def test_a_re_preparation_killed_while_publishing_leaves_a_dataset_that_is_refused(tmp_path, tokenizer_dir,
+                                                                                  monkeypatch, killed_after):
+    """Re-preparing a dataset with other text, killed after `killed_after` of its renames: the files left are never
+    read as a dataset (the old sidecar would otherwise describe the new .bin with the old .idx, or new files)."""
+    prefix = tmp_path / "corpus"
+    for name, text in (("a.jsonl", "hello world"), ("b.jsonl", "another text, longer than the first one")):
+        (tmp_path / name).write_text("\n".join(json.dumps({"text": f"{text} {i}"}) for i in range(40)) + "\n")
+    data.prepare([tmp_path / "a.jsonl"], prefix, tokenizer_dir, show_progress=False)
+    assert data.describe(prefix)["documents"] == 40
+    renames = []
+
+    def replace(src, dst):
+        if len(renames) == killed_after:
+            raise KeyboardInterrupt  # the kernel interrupted between two renames
+        renames.append(dst)
+        return real_replace(src, dst)
+
+    real_replace = data.os.replace
+    monkeypatch.setattr(data.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare([tmp_path / "b.jsonl"], prefix, tokenizer_dir, show_progress=False)
+    monkeypatch.undo()
+    with pytest.raises(data.DataError, match=r"has no corpus.json; prepare it with data.prepare.*interrupted"):
+        data.describe(prefix)
+    # an old sidecar left beside files it does not describe (a copy of the folder taken mid-way) is refused too
+    (tmp_path / "corpus.json").write_text(json.dumps({"tokens": 1, "bin_bytes": 1, "idx_sha256": "0"}))
+    with pytest.raises(data.DataError, match=r"corpus.bin/.idx are not the files its sidecar corpus.json describes"):
+        data.describe(prefix)
+    data.prepare([tmp_path / "b.jsonl"], prefix, tokenizer_dir, show_progress=False)
+    assert data.describe(prefix)["documents"] == 40
