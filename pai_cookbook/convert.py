@@ -239,16 +239,24 @@ def reward_hf_config(config, folder: Path) -> None:
     config.architectures = [name.replace("ForCausalLM", "ForSequenceClassification") for name in config.architectures]
     config.num_labels, config.tie_word_embeddings = 1, False
     hf = tokenizer.load(folder)
-    ends = set(tokenizer.eos_ids(folder, hf))
-    candidates = [(hf.pad_token, hf.pad_token_id), (hf.unk_token, hf.unk_token_id)]
-    pad = next(((text, i) for text, i in candidates if i is not None and i not in ends), None)
-    if pad is None:
-        raise ValueError(f"the tokenizer's pad and unknown tokens are end tokens or missing: no padding token the "
-                         f"exported reward model could tell from a sequence's end (pad {hf.pad_token!r}, unk "
-                         f"{hf.unk_token!r}, ends {sorted(ends)}).")
-    hf.pad_token = pad[0]
-    hf.save_pretrained(folder)
-    config.pad_token_id = pad[1]
+    text, pad = reward_padding(hf, set(tokenizer.eos_ids(folder, hf)))
+    if pad != hf.pad_token_id:
+        hf.pad_token = text
+        hf.save_pretrained(folder)
+    config.pad_token_id = pad
+
+
+def reward_padding(hf, ends: set[int]) -> tuple[str, int]:
+    """The token an exported reward model pads with: anything but an end token will do (transformers scores a row
+    at its rightmost token that is not padding, and every sequence the cookbook scores ends with its end token).
+    The tokenizer's pad, unknown or begin token first, then another special token, then the first ordinary one
+    (a tokenizer whose only special token is its end, as some base models ship)."""
+    named = [(hf.pad_token, hf.pad_token_id), (hf.unk_token, hf.unk_token_id), (hf.bos_token, hf.bos_token_id)]
+    for text, i in [*named, *zip(hf.all_special_tokens, hf.all_special_ids)]:
+        if text is not None and i is not None and i not in ends:
+            return text, i
+    i = next(i for i in range(len(hf)) if i not in ends)
+    return hf.convert_ids_to_tokens(i), i
 
 
 def _write(job: ConvertJob, out: Path, overwrite: bool, run_dir: str | Path | None,

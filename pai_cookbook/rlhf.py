@@ -89,8 +89,10 @@ class GRPOConfig:
     keeps their distribution and removes their meaning. A run that learns anyway learned from noise."""
     rollouts: str | None = None
     """A rollouts.jsonl of an earlier run to replay instead of sampling (layout parity, debugging)."""
-    save_interval: int = 0
-    """Checkpoint every this many steps (and at the last); 0: the last only."""
+    save_interval: int | None = None
+    """Checkpoint every this many steps (and at the last); 0: the last only; None: every quarter of the run
+    (`saves_every`), so a run that dies (a killed kernel, a lost node) loses at most a quarter of its steps. (A
+    reward that fails mid-run saves the finished steps whatever this is.)"""
     chat_template: str = "auto"
     """Prompts through the tokenizer's chat template: "auto" (when it has one), "always", "never"."""
     eval_interval: int = 0
@@ -111,11 +113,16 @@ class GRPOConfig:
             raise ConfigError(f"{name}.kl_coef={self.kl_coef} must be >= 0 (0 switches the KL penalty off).")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"{name}.kl_estimator={self.kl_estimator!r}; use one of {KL_ESTIMATORS}.")
-        for knob in ("warmup_steps", "eval_interval"):
-            if getattr(self, knob) < 0:
+        for knob in ("warmup_steps", "eval_interval", "save_interval"):
+            if (getattr(self, knob) or 0) < 0:
                 raise ConfigError(f"{name}.{knob}={getattr(self, knob)} must be >= 0.")
         if not self.lr > 0:
             raise ConfigError(f"{name}.lr={self.lr} must be > 0.")
+
+    @property
+    def saves_every(self) -> int:
+        """Steps between checkpoints: `save_interval`, or a quarter of the run when it is None."""
+        return -(-self.steps // 4) if self.save_interval is None else self.save_interval
 
     def _check_group_size(self) -> None:
         if self.group_size < 2:
@@ -352,7 +359,7 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
         model=model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]),
         optimizer=_optimizer(config, config.lr), data=data,
         checkpoint=CheckpointConfig(load_dir=str(policy), save_dir=str(save_dir) if save_dir else None,
-                                    save_interval=config.save_interval, overwrite=overwrite, resume=not overwrite),
+                                    save_interval=config.saves_every, overwrite=overwrite, resume=not overwrite),
         train_iters=config.steps, seed=config.seed)
     critic_run = None
     if isinstance(config, PPOConfig):
@@ -364,7 +371,7 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
             model=critic_model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[critic_dtype]),
             optimizer=_optimizer(config, config.critic_lr or config.lr), data=data,
             checkpoint=CheckpointConfig(load_dir=str(start), save_dir=str(Path(save_dir) / CRITIC) if save_dir else None,
-                                        save_interval=config.save_interval, overwrite=overwrite, resume=not overwrite),
+                                        save_interval=config.saves_every, overwrite=overwrite, resume=not overwrite),
             train_iters=config.steps, seed=config.seed)
     elif critic:
         raise ConfigError("a critic is PPO's (GRPO's baseline is the group mean); pass a PPOConfig, or drop critic.")

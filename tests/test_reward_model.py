@@ -196,3 +196,26 @@ def test_sorting_pairs_differ_in_content_not_length():
     copied = [c for c in tasks.sorting_sft(1000, seed=0, copy_share=0.5)
               if c["messages"][1]["content"] != " ".join(sorted(c["messages"][0]["content"][6:].split()))]
     assert 400 < len(copied) < 600  # about half answer unsorted (fewer: some questions come sorted already)
+
+
+def test_a_tokenizer_whose_only_special_token_is_its_end_still_exports_a_reward_model(tmp_path):
+    """GPT-2's layout (begin, end and unknown all `<|endoftext|>`, no pad): the export pads with a token that is not
+    the end (an ordinary one), instead of failing after every tensor is converted; old text encodes as before."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    backend.train_from_iterator(["the reward model scores answers"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    end = "<|endoftext|>"
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=end, eos_token=end, unk_token=end).save_pretrained(tmp_path)
+    before = tokenizer.load(tmp_path)
+    assert before.pad_token is None and before.all_special_tokens == [end]
+    text = "the reward model scores answers!"
+    config = LlamaConfig(architectures=["LlamaForCausalLM"])
+    convert.reward_hf_config(config, tmp_path)
+    after = tokenizer.load(tmp_path)
+    assert config.pad_token_id == after.pad_token_id != after.eos_token_id
+    assert after(text).input_ids == before(text).input_ids
+    assert config.architectures == ["LlamaForSequenceClassification"]

@@ -181,7 +181,7 @@ def test_a_reward_that_fails_mid_run_saves_the_finished_steps_and_the_rerun_resu
     resumes there."""
     from pai_cookbook.core.launch import WorkerError
 
-    config = CONFIG.__class__(**{**vars(CONFIG), "steps": 4})
+    config = CONFIG.__class__(**{**vars(CONFIG), "steps": 4, "save_interval": 0})  # no checkpoint before the last
     save_dir = tmp_path / "grpo"
     with pytest.raises(WorkerError, match=r"raised ValueError: the reward service timed out on prompt \d+ .*completion "
                                           r".*The 2 steps finished are saved in .*iter_0000002"):
@@ -196,6 +196,16 @@ def test_a_reward_that_fails_mid_run_saves_the_finished_steps_and_the_rerun_resu
                                           r"'tests.workers.rewards:brevity'"):
         rlhf.grpo(llama, PROMPTS, REWARD, config, save_dir=save_dir, run_dir=tmp_path / "r3", show_progress=False,
                   echo=False)
+
+
+def test_a_run_saves_every_quarter_of_its_steps_unless_told_otherwise(llama, tmp_path):
+    """Issue 39, finding 5: by default an RL run saved only at its last step, so a run that died lost every step."""
+    for steps, interval, expected in ((20, None, 5), (6, None, 2), (1, None, 1), (20, 0, 0), (20, 3, 3)):
+        config = CONFIG.__class__(**{**vars(CONFIG), "steps": steps, "save_interval": interval})
+        job = rlhf.prepare(llama, PROMPTS, REWARD, config, save_dir=tmp_path / "grpo")
+        assert job.run.checkpoint.save_interval == expected, (steps, interval)
+    with pytest.raises(ConfigError, match=r"save_interval=-1 must be >= 0"):
+        CONFIG.__class__(**{**vars(CONFIG), "save_interval": -1})
 
 
 def test_a_reward_importable_only_through_the_callers_sys_path_is_imported_by_the_workers(llama, tmp_path,
