@@ -22,9 +22,10 @@ prompt other than what the template writes before an answer in training (a think
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from pai_cookbook.core import inputs
 
 MARK = "\ue000{}\ue001"
 """A message's stand-in while the template's own text is located (private-use characters no template writes)."""
@@ -70,7 +71,7 @@ def stop_ids(tokenizer, folder: str | Path | None = None, names: list[str] | Non
     """
     if names:
         ids = []
-        for name in names:
+        for name in inputs.listed(names, "stop_tokens", "token strings", error=SFTError):
             found = tokenizer.convert_tokens_to_ids(name)
             if found is None or found == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(found) != name:
                 raise SFTError(f"stop_tokens names {name!r}, which is not a token of this vocabulary; name the token "
@@ -108,7 +109,8 @@ def read(spec: str | Path | None, names: dict[str, str] | None = None) -> str | 
         if (path / "chat_template.jinja").exists():
             return (path / "chat_template.jinja").read_text(encoding="utf-8")
         config = path / "tokenizer_config.json"
-        found = json.loads(config.read_text()).get("chat_template") if config.exists() else None
+        found = inputs.read_json(config, fix="Download the model's tokenizer files again.",
+                                 error=SFTError).get("chat_template") if config.exists() else None
         if isinstance(found, str):
             return found
         raise SFTError(f"{path} holds no chat template (chat_template.jinja, or a chat_template in "

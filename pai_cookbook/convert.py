@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from pai_cookbook.core import checkpoint, families, hf_mapping, layout, nodes, tokenizer
+from pai_cookbook.core import checkpoint, families, hf_mapping, inputs, layout, nodes, tokenizer
 from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig
 from pai_cookbook.core.worker import Job
 
@@ -103,7 +103,10 @@ def inspect_hf(folder: str | Path, model: ModelConfig | None = None) -> HFCheckp
     model = model or families.from_hf(folder)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = inputs.read_json(index, fix="Download the model's index file again.").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index} has no \"weight_map\" of tensor names to shard files; it is damaged or not a "
+                              f"safetensors index. Download it again.")
         files = sorted(set(weight_map.values()))
     elif (folder / "model.safetensors").exists():
         files = ["model.safetensors"]

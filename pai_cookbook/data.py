@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pai_cookbook.core import inputs as core_inputs
 from pai_cookbook.core import nodes, tokenizer
 
 SIDECAR_SUFFIX = ".json"
@@ -51,8 +52,7 @@ def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
         with path.open("rb") as f:
             line = f.read(err.start).count(b"\n") + 1 if path.suffix == ".txt" else None
         where = f"{path}:{line}" if line else str(path)
-        raise DataError(f"{where}: not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} at offset "
-                        f"{err.start}); convert the file to UTF-8, e.g. `iconv -f GBK -t UTF-8`.") from None
+        raise DataError(core_inputs.not_utf8(where, err.object, err.start)) from None
 
 
 def _documents(path: Path, text_field: str) -> Iterator[str]:
@@ -62,8 +62,7 @@ def _documents(path: Path, text_field: str) -> Iterator[str]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    raise DataError(f"{path}:{number}: not UTF-8 text (byte {raw[err.start:err.start + 1]!r}); convert "
-                                    f"the file to UTF-8, e.g. `iconv -f GBK -t UTF-8`.") from None
+                    raise DataError(core_inputs.not_utf8(f"{path}:{number}", raw, err.start)) from None
                 if not line.strip():
                     continue
                 try:
@@ -154,16 +153,21 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
     Raises:
         DataError: missing, empty or malformed input (with the line number).
     """
-    from transformers import AutoTokenizer
-
-    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    inputs = core_inputs.listed(inputs, "inputs", ".jsonl/.txt paths", error=DataError)
+    if not inputs:
+        raise DataError("no inputs; give at least one .jsonl or .txt file.")
+    core_inputs.integer(workers, "workers", error=DataError)
+    prefix = Path(output_prefix)
+    blocked = next((p for p in [prefix.parent, *prefix.parent.parents] if p.exists()), None)
+    if blocked is not None and not blocked.is_dir():
+        raise DataError(f"output_prefix {prefix}: {blocked} is a file, not a folder; choose another output prefix.")
+    hf_tokenizer = tokenizer.load(tokenizer_dir, "tokenizer_dir")
     eod = hf_tokenizer.eos_token_id
     if append_eod and eod is None:
         raise DataError(f"tokenizer in {tokenizer_dir} has no eos_token; set one or pass append_eod=False.")
     for path in inputs:  # fail on a missing or malformed file before writing anything
         if not any(True for _ in read_documents(path, text_field)):
             raise DataError(f"input {path} has no documents (empty file or empty {text_field!r} fields).")
-    prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = prefix.with_name(prefix.name + ".partial")
     partial_files = [Path(f"{tmp}.bin"), Path(f"{tmp}.idx")]
@@ -238,7 +242,8 @@ def describe(prefix: str | Path) -> dict[str, Any]:
         if not Path(f"{prefix}{suffix}").exists():
             raise DataError(f"dataset {prefix} has no {prefix.name}{suffix}; prepare it with data.prepare(...) (a "
                             f"preparation interrupted while publishing its files leaves the dataset without one).")
-    summary = json.loads(Path(f"{prefix}{SIDECAR_SUFFIX}").read_text())
+    summary = core_inputs.read_json(f"{prefix}{SIDECAR_SUFFIX}", fix="Prepare the dataset again with data.prepare(...).",
+                                    error=DataError)
     recorded = {key: summary[key] for key in ("bin_bytes", "idx_sha256") if key in summary}
     if recorded and recorded != _fingerprint(prefix):
         raise DataError(f"dataset {prefix}: {prefix.name}.bin/.idx are not the files its sidecar {prefix.name}"
@@ -362,7 +367,7 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
             "messages" list (the message names the line number).
     """
     path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = core_inputs.read_text(path, what="prompts file", error=DataError).splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -375,11 +380,10 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); each line must be "
                              f'one object such as {{"prompt": "..."}}.') from err
-        ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or isinstance(record.get("messages"), list))
-        if not ok:
-            raise ValueError(f"{path}:{number}: expected an object with a string \"prompt\" or a \"messages\" list "
-                             f"of {{\"role\", \"content\"}}; found {line[:80]!r}.")
-        records.append(record | {"line": number})
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{number}: expected an object with a string \"prompt\" or a \"messages\" list "
+                            f"of {{\"role\", \"content\"}}; found {line[:80]!r}.")
+        records.append(core_inputs.prompt_record(record, f"{path}:{number}", error=DataError) | {"line": number})
     if not records:
         raise ValueError(f"{path} holds no prompts (empty or blank lines only); write one prompt per line "
                          f'(.txt) or one {{"prompt": "..."}} object per line (.jsonl).')

@@ -29,6 +29,8 @@ MAX_RELATIVE_GAP = 0.005
 
 def tail_mean(losses: Sequence[float], steps: int = TAIL_STEPS) -> float:
     """Mean loss over the last `steps` steps; raises when the run is shorter."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be an int >= 1 (the tail's length).")
     if len(losses) < steps:
         raise ValueError(f"a run of {len(losses)} steps has no {steps}-step tail; train longer or pass steps=")
     return float(np.mean(losses[-steps:]))
@@ -67,6 +69,10 @@ def verdict(curves: Sequence[Sequence[float]], band: Mapping[str, Any]) -> dict[
 
 def mean_curve(curves: Sequence[Sequence[float]]) -> list[float]:
     """Step-by-step mean over seeds."""
+    lengths = sorted({len(c) for c in curves})
+    if len(lengths) != 1:
+        raise ValueError(f"the curves have different lengths {lengths}: average runs of the same number of steps "
+                         f"(train every seed for as many steps).")
     return np.mean(np.array([list(c) for c in curves]), axis=0).tolist()
 
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pai_cookbook.core import checkpoint, layout, runtime
+from pai_cookbook.core import checkpoint, inputs, layout, runtime
 from pai_cookbook.core.checkpoint import load_tokenizer
 from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.core.tokenizer import encode, eos_ids
@@ -76,8 +76,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         self.stop, self.eos_token_ids = tuple(self.stop), tuple(self.eos_token_ids)
         for name in ("max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1.")
+            inputs.integer(getattr(self, name), name)
         if self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k} must be >= 0 (1 is greedy, 0 switches top-k off).")
         if not 0.0 <= self.top_p <= 1.0:
@@ -208,7 +207,8 @@ def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/gener
     """
     from pai_cookbook.core import launch
 
-    world = nproc_per_node or math.lcm(*(layout.world_size(j.parallel) for j in jobs))
+    world = math.lcm(*(layout.world_size(j.parallel) for j in jobs)) if nproc_per_node is None else \
+        inputs.integer(nproc_per_node, "nproc_per_node")
     for job in jobs:
         model, _ = checkpoint.read_config(job.ckpt)
         layout.check(model, job.parallel, world, purpose="infer")
@@ -279,9 +279,10 @@ def generate(ckpt: str | Path, prompts: Sequence[str | dict[str, Any]], config: 
         ConfigError / ValueError / FileNotFoundError: before any worker starts (see `prepare`).
     """
     config = config or GenerationConfig()
-    records = [p if isinstance(p, dict) else {"prompt": p, "line": i + 1} for i, p in enumerate(prompts)]
+    records = [{"line": i} | inputs.prompt_record(p, f"prompt {i}")
+               for i, p in enumerate(inputs.listed(prompts, "prompts", "strings or prompt records"), start=1)]
     if not records:
-        raise ValueError("no prompts given; pass at least one prompt string.")
+        raise ConfigError("no prompts given; pass at least one prompt string.")
     job = prepare(ckpt, records, config, parallel)
     (out,) = run_jobs([job], run_dir=run_dir, nproc_per_node=nproc_per_node, show_progress=show_progress)
     return {"records": completion_records(job.ckpt, records, job, out)} | {

@@ -129,6 +129,8 @@ def load_balance(history: list[dict[str, Any]], skip: int) -> torch.Tensor:
         history: `train.run(...)["router"]`: per-step router figures (each with `expert_load`).
         skip: warm-up steps left out.
     """
+    if any("expert_load" not in h for h in history):
+        raise ValueError("the history has no 'expert_load' per step: pass train.run(...)['router'] of an MoE run.")
     loads = torch.tensor([h["expert_load"] for h in history[skip:]], dtype=torch.float64)
     if loads.numel() == 0:
         raise ValueError(f"no steps after a warm-up of {skip} in a history of {len(history)}; lower `skip`.")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pai_cookbook.core import checkpoint, layout, runtime, tokenizer
+from pai_cookbook.core import checkpoint, inputs, layout, runtime, tokenizer
 from pai_cookbook.core.config import (
     CheckpointConfig,
     ConfigError,
@@ -36,8 +36,8 @@ from pai_cookbook.core.config import (
     PrecisionConfig,
     RunConfig,
 )
+from pai_cookbook.core.inputs import prompt_text
 from pai_cookbook.core.worker import Job
-from pai_cookbook.rlhf import prompt_text
 
 
 @dataclass(kw_only=True)
@@ -103,12 +103,14 @@ def check_pairs(pairs: Sequence[dict[str, Any]], what: str = "pair") -> None:
     """Refuse pairs a reward model cannot learn from, naming the pair: no prompt, an empty or missing
     completion, chosen equal to rejected (its loss is log 2 whatever the model does), a margin that is not a
     finite number."""
+    pairs = inputs.listed(pairs, f"{what}s", "{'prompt', 'chosen', 'rejected'} records") if pairs is not None else []
     if not pairs:
         raise ConfigError(f"no {what}s: a reward model needs preference pairs {{'prompt', 'chosen', 'rejected'}}.")
     for number, pair in enumerate(pairs, start=1):
         where = f"{what} {number}"
-        if not isinstance(pair, dict) or ("prompt" not in pair and "messages" not in pair):
-            raise ConfigError(f"{where} has neither 'prompt' nor 'messages': {str(pair)[:80]!r}.")
+        if not isinstance(pair, dict):
+            raise ConfigError(f"{where} is {pair!r:.60} ({type(pair).__name__}); give {{'prompt', 'chosen', 'rejected'}}.")
+        inputs.prompt_record(pair, where)
         if not prompt_text(pair).strip():
             raise ConfigError(f"{where} has an empty prompt; remove it or fill it in.")
         for side in ("chosen", "rejected"):
@@ -196,6 +198,7 @@ def train(base: str | Path, pairs: Sequence[dict[str, Any]], config: RewardModel
 def length_baseline(pairs: Sequence[dict[str, Any]]) -> float:
     """Accuracy of the best reward that sees only length: "longer wins" or "shorter wins", whichever is
     right more often on `pairs` (ties count half). A reward model must beat it to have learned content."""
+    check_pairs(pairs)
     longer = sum(0.5 if len(p["chosen"]) == len(p["rejected"]) else float(len(p["chosen"]) > len(p["rejected"]))
                  for p in pairs) / len(pairs)
     return max(longer, 1.0 - longer)

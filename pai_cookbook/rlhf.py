@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pai_cookbook.core import checkpoint, layout, runtime, tokenizer
+from pai_cookbook.core import checkpoint, inputs, layout, runtime, tokenizer
 from pai_cookbook.core.config import (
     CheckpointConfig,
     ConfigError,
@@ -47,6 +47,7 @@ from pai_cookbook.core.config import (
     PrecisionConfig,
     RunConfig,
 )
+from pai_cookbook.core.inputs import prompt_text
 from pai_cookbook.core.model_config import ModelConfig
 from pai_cookbook.core.worker import Job
 from pai_cookbook.rl import KL_ESTIMATORS, RLError
@@ -255,20 +256,13 @@ def score(reward: Reward, completion: str, record: dict[str, Any], what: str = "
     return float(value)
 
 
-def prompt_text(record: dict[str, Any]) -> str:
-    """A prompt record's text: its "prompt", or its last message (what errors quote)."""
-    return record["prompt"] if "prompt" in record else record["messages"][-1]["content"]
-
-
 def _records(prompts: Sequence[str | dict[str, Any]], what: str = "prompt") -> list[dict[str, Any]]:
+    prompts = inputs.listed(prompts, f"{what}s", "strings or {'prompt': ...} records") if prompts is not None else []
     if not prompts:
         raise ConfigError(f"no {what}s: RL needs at least one (a string or {{'prompt': ...}}).")
     records = []
     for number, prompt in enumerate(prompts, start=1):
-        record = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
-        record.setdefault("line", number)
-        if "prompt" not in record and "messages" not in record:
-            raise ConfigError(f"{what} {number} has neither 'prompt' nor 'messages': {str(prompt)[:80]!r}.")
+        record = {"line": number} | inputs.prompt_record(prompt, f"{what} {number}")
         if not prompt_text(record).strip():
             raise ConfigError(f"{what} {number} is empty; the policy would complete nothing. Remove it or fill it in.")
         records.append(record)

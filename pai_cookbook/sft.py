@@ -21,6 +21,7 @@ to stop) or typed inside an answer, a second BOS, samples without a single loss 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -33,7 +34,7 @@ from typing import Any
 
 from pai_cookbook import chat_template as chat
 from pai_cookbook.chat_template import SFTError
-from pai_cookbook.core import nodes
+from pai_cookbook.core import inputs, nodes
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_SET = Path(__file__).resolve().parents[1] / "data" / "sft" / "arithmetic.jsonl"
@@ -97,7 +98,8 @@ def read(path: str | Path) -> list[dict[str, Any]]:
     """
     path = Path(path)
     out = []
-    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, text in enumerate(inputs.read_text(path, what="conversations file", error=SFTError).splitlines(),
+                                  start=1):
         if not text.strip():
             continue
         where = f"{path}:{number}"
@@ -120,14 +122,15 @@ def _messages(record: Any, where: str) -> list[dict[str, str]]:
     else:
         found = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise SFTError(f"{where}: expected {{\"messages\": [...]}} or {{\"prompt\", \"response\"}}, found {found}.")
-    if not isinstance(messages, list) or not messages:
-        raise SFTError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}}.")
+    inputs.messages(messages, where, error=SFTError)
     for turn in messages:
-        if not isinstance(turn, dict) or not isinstance(turn.get("content"), str):
-            raise SFTError(f"{where}: every turn needs a string \"content\"; found {turn!r:.80}.")
-        if turn.get("role") not in ROLES:
-            raise SFTError(f"{where}: unknown role {turn.get('role')!r}; the roles are {list(ROLES)}.")
-    if next(turn["role"] for turn in messages if turn["role"] != "system") == "assistant":
+        if turn["role"] not in ROLES:
+            raise SFTError(f"{where}: unknown role {turn['role']!r}; the roles are {list(ROLES)}.")
+    first = next((turn["role"] for turn in messages if turn["role"] != "system"), None)
+    if first is None:
+        raise SFTError(f"{where}: the conversation has only system messages, no question and no answer to learn; "
+                       f"add a \"user\" turn and its \"assistant\" answer, or remove it.")
+    if first == "assistant":
         raise SFTError(f"{where}: the conversation starts with an assistant turn; an answer needs a question "
                        f"before it (a \"user\" turn), or the template's header of it would be trained.")
     if not any(turn["role"] == "assistant" for turn in messages):
@@ -143,8 +146,10 @@ def read_template(spec: str | Path | None) -> str | None:
 
 
 def _template(template: str | None) -> str | None:
-    """A template name of TEMPLATES as its Jinja text; Jinja text and None (the tokenizer's own) as given."""
-    return TEMPLATES.get(template, template) if template is not None else None
+    """A template as its Jinja text (`read_template`: a name of TEMPLATES, a file, a folder or Jinja text; anything
+    else is refused); None: the tokenizer's own."""
+    spec = read_template(template)
+    return TEMPLATES.get(spec, spec) if spec is not None else None
 
 
 def _where(conversation: dict[str, Any]) -> str:
@@ -167,7 +172,11 @@ def encode(tokenizer, conversation: dict[str, Any], template: str | None = None,
     """
     if system not in chat.SYSTEM:
         raise SFTError(f"system={system!r}; use one of {chat.SYSTEM}.")
-    messages, template, where = conversation["messages"], _template(template), _where(conversation)
+    if not isinstance(conversation, dict) or "messages" not in conversation:
+        raise SFTError(f"expected a conversation {{\"messages\": [...]}} (as sft.read gives), found "
+                       f"{conversation!r:.80}; read records with sft.read(...) first.")
+    where = _where(conversation)
+    messages, template = _messages(conversation, where), _template(template)
     if system == "fold":
         messages = chat.fold_system(messages)
     stops = stop_ids if stop_ids is not None else chat.stop_ids(tokenizer)
@@ -354,13 +363,16 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
     """
     from pai_cookbook.core import tokenizer as tokenizers
 
-    if not 0 <= valid_fraction < 1:
-        raise SFTError(f"valid_fraction={valid_fraction}; hold out a fraction in [0, 1) of the conversations.")
+    _check_out_dir(out_dir)
+    inputs.number(valid_fraction, "valid_fraction", low=0, high=1, error=SFTError)
+    inputs.integer(seq_length, "seq_length", minimum=2, error=SFTError)
     if isinstance(source, (str, Path)):
         conversations = [c | {"where": f"{source}:{c['line']}"} for c in read(source)]
     else:  # records given in memory get the checks a file's lines get, numbered from 1
-        conversations = [{"messages": _messages(record, f"conversation {i}"), "line": record.get("line", i)}
-                         for i, record in enumerate(source, start=1)]
+        records = inputs.listed(source, "source", "conversations (or a JSONL path)", error=SFTError)
+        conversations = [{"messages": _messages(record, f"conversation {i}"),
+                          "line": record.get("line", i) if isinstance(record, dict) else i}
+                         for i, record in enumerate(records, start=1)]
     empty = [c["line"] for c in conversations
              if not any(m["content"].strip() for m in c["messages"] if m["role"] == "assistant")]
     if empty and len(empty) == len(conversations):
@@ -412,17 +424,18 @@ def write(out_dir: str | Path, split: dict[str, Sequence[Sample]], seq_length: i
     """Pack (or pad) each split's samples into rows and write them with the summary; the folder appears
     whole or not at all (written beside it, then renamed). `meta` joins the summary (`vocab_size` is
     needed by `check_for_training`)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / SUMMARY).exists():
-        raise SFTError(f"{out_dir} holds files that are not a prepared SFT set; give an empty or new folder (a "
-                       f"prepared set there is replaced, nothing else is).")
+    out_dir = _check_out_dir(out_dir)
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
         summary = _write_splits(partial, split, seq_length, pad_id, packed, meta)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            raise OSError(err.errno, f"No space left on device while writing the SFT set {partial} "
+                                     f"({shutil.disk_usage(partial.parent).free} bytes free); nothing was kept. Free "
+                                     f"space or give another out_dir.") from err
         raise
     old = out_dir.with_name(out_dir.name + ".old")
     if out_dir.exists():  # derived data: a new preparation replaces the old one whole
@@ -431,6 +444,17 @@ def write(out_dir: str | Path, split: dict[str, Sequence[Sample]], seq_length: i
     os.replace(partial, out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return summary
+
+
+def _check_out_dir(out_dir: str | Path) -> Path:
+    """A folder a prepared set may be written to: new, empty, or holding a prepared set (which is replaced)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SFTError(f"{out_dir} is a file, not a folder; choose another folder for the prepared set.")
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / SUMMARY).exists():
+        raise SFTError(f"{out_dir} holds files that are not a prepared SFT set; give an empty or new folder (a "
+                       f"prepared set there is replaced, nothing else is).")
+    return out_dir
 
 
 def _write_splits(folder: Path, split: dict[str, Sequence[Sample]], seq_length: int, pad_id: int, packed: bool,
@@ -467,7 +491,7 @@ def describe(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / SUMMARY
     if not path.exists():
         raise SFTError(f"{folder} is not a prepared SFT set (no {SUMMARY}); write it with sft.prepare(...).")
-    return json.loads(path.read_text())
+    return inputs.read_json(path, fix="Prepare the set again with sft.prepare(...).", error=SFTError)
 
 
 def check_for_training(run: Any) -> None:
@@ -592,6 +616,10 @@ def audit(tokenizer, samples: Sequence[Sample], conversations: Sequence[dict[str
     by_line = {c["line"]: c for c in conversations}
     if len(by_line) != len(conversations):
         raise SFTError("conversations share line numbers; give each a distinct \"line\" (or none: sft.prepare numbers them).")
+    unknown = sorted({s.line for s in samples} - set(by_line))
+    if unknown:
+        raise SFTError(f"samples of lines {unknown[:10]} have no conversation among those given (lines "
+                       f"{sorted(by_line)[:10]}); pass the conversations the samples were encoded from.")
     template = _template(template)
     stops = stop_ids if stop_ids is not None else chat.stop_ids(tokenizer)
     out: dict[str, Any] = {"samples": len(samples), "truncated_not_checked": 0, "assistant_turns": 0,
@@ -691,7 +719,9 @@ def follows(records: Sequence[dict[str, Any]], pattern: str, answers: Sequence[s
     their turn (finish_reason "eos"), that match `pattern` in full, and that equal `answers` (if given)."""
     import re
 
-    n = len(records)
+    n = len(inputs.listed(records, "records", "generated records (generate(...)['records'])"))
+    if n == 0:
+        raise ValueError("no records to score; pass generate(...)['records'].")
     out = {"ends_turn": sum(r["finish_reason"] == "eos" for r in records) / n,
            "format": sum(bool(re.fullmatch(pattern, r["completion"].strip())) for r in records) / n}
     if answers is not None:

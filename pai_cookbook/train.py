@@ -27,6 +27,7 @@ import json
 import re
 import shutil
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,10 +213,20 @@ def logged_steps(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: no run has logged into {run_dir}.")
     by_step = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
             record = json.loads(line)
-            by_step[record["step"]] = record
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # a launch killed while writing its last record: the steps before it stand
+                warnings.warn(f"{path}:{number}: the last record is cut short (a killed launch); it is left out.",
+                              stacklevel=2)
+                continue
+            raise ValueError(f"{path}:{number} is not valid JSON ({err.msg}); the run's log is damaged. Remove that "
+                             f"line to read the rest.") from None
+        by_step[record["step"]] = record
     return [by_step[step] for step in sorted(by_step)]
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import tokenizer
+from pai_cookbook.core import inputs, tokenizer
 from pai_cookbook.core.config import ModelConfig
 
 CONFIG_FILE = "pai_cookbook.json"
@@ -113,8 +113,14 @@ def read_config(ckpt: str | Path) -> tuple[ModelConfig, torch.dtype]:
         hint = " (a .partial folder is an unfinished write)" if str(ckpt).endswith(PARTIAL_SUFFIX) else ""
         raise FileNotFoundError(f"{ckpt} has no {CONFIG_FILE}: not a checkpoint written by the cookbook"
                                 f"{hint}; convert.hf_to_megatron and train.run write them.")
-    data = json.loads(path.read_text())
+    data = description(ckpt)
     return ModelConfig(**data["model"]), {v: k for k, v in DTYPE_NAMES.items()}[data["dtype"]]
+
+
+def description(ckpt: str | Path) -> dict[str, Any]:
+    """The checkpoint's `pai_cookbook.json` (model, dtype, provenance, the run that saved it)."""
+    return inputs.read_json(Path(ckpt) / CONFIG_FILE, what="checkpoint description",
+                            fix="Its checkpoint cannot be used: convert or train it again, or use an earlier one.")
 
 
 def copy_assets(src: Path, dst: Path) -> list[str]:
@@ -190,7 +196,7 @@ def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dty
 def head(ckpt: str | Path) -> str:
     """What a checkpoint's last layer is: "lm" (logits over the vocabulary) or "reward" (a scalar head)."""
     read_config(ckpt)
-    return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("head", "lm")
+    return description(ckpt).get("head", "lm")
 
 
 def _head_of(chunks: list[torch.nn.Module]) -> str:
@@ -294,7 +300,7 @@ def set_damaged_aside(save_dir: str | Path) -> list[str]:
 
 def saved_layout(ckpt: str | Path) -> dict[str, int] | None:
     """The layout (tp, pp, ep, world) a training checkpoint was saved at; None for a weights-only one."""
-    return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("saved_at")
+    return description(ckpt).get("saved_at")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -342,12 +348,12 @@ def save_training(chunks, optimizer, scheduler, step: int, save_dir: str | Path,
 
 def saved_run(ckpt: str | Path) -> dict[str, Any] | None:
     """The job (`dataclasses.asdict`) that trained a checkpoint; None for checkpoints saved before it was kept."""
-    return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("run")
+    return description(ckpt).get("run")
 
 
 def read_state(ckpt: str | Path) -> dict[str, Any]:
     """The `state` save_training kept beside a checkpoint's weights ({} when none)."""
-    return json.loads((Path(ckpt) / CONFIG_FILE).read_text()).get("state", {})
+    return description(ckpt).get("state", {})
 
 
 def chained_optimizers(optimizer) -> list:

@@ -270,6 +270,8 @@ class DataConfig:
         parts = self.split.split(",")
         _require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
                  f"split {self.split!r} must be three comma-separated numbers: train,valid,test (e.g. '98,2,0').")
+        _require(sum(float(p) for p in parts) > 0,
+                 f"split {self.split!r} gives every part weight 0; give positive weights such as '98,2,0'.")
 
 
 @dataclass(kw_only=True)

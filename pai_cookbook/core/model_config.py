@@ -130,6 +130,10 @@ class ModelConfig:
         _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                   "num_query_groups", "kv_channels", "vocab_size", "max_position_embeddings",
                   "rotary_base", "num_experts", "moe_router_topk", "sliding_window")
+        _require(isinstance(self.moe_layer_freq, list) or (isinstance(self.moe_layer_freq, int)
+                                                          and self.moe_layer_freq >= 1),
+                 f"moe_layer_freq={self.moe_layer_freq!r} must be an int >= 1 (every n-th layer is MoE) or a list of "
+                 f"one 0/1 flag per layer.")
         _require(not isinstance(self.moe_layer_freq, list) or len(self.moe_layer_freq) == self.num_layers,
                  f"moe_layer_freq as a list needs one 0/1 flag per layer ({self.num_layers}), "
                  f"got {len(self.moe_layer_freq) if isinstance(self.moe_layer_freq, list) else 0}.")

@@ -55,6 +55,9 @@ def load(folder: str | Path, what: str = ""):
     """
     from transformers import AutoTokenizer
 
+    if Path(folder).is_file():
+        raise FileNotFoundError(f"{what or folder} is a file; give the folder that holds the tokenizer files "
+                                f"({Path(folder).parent}, if this is one of them).")
     if not has_tokenizer(folder):
         raise FileNotFoundError(
             f"{what or folder} carries no tokenizer: expected one of {list(VOCABULARY_FILES)} (and "

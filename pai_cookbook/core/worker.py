@@ -76,6 +76,8 @@ class Job:
         from pai_cookbook.core.config import ConfigError
 
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"{path} is a folder; give the {cls.__name__} JSON file (run.json) inside it.")
         try:
             text = path.read_text(encoding="utf-8")
             return cls.from_json(text)
