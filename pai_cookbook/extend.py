@@ -151,9 +151,10 @@ def _extend_sentencepiece(base, base_dir: Path, folder: Path, texts: list[str],
     pieces = [p for p in vocabulary.new_pieces(base_bytes, extra) if p not in taken][:new_tokens]
     _check_learned(len(pieces), new_tokens, texts, 1)
     _check_no_special_spelled(base, [p.replace("\u2581", " ").strip() for p in pieces])
-    # Ids the Hugging Face tokenizer gives beyond the SentencePiece pieces ([PAD] at 32000): the new pieces follow them.
+    # Ids the Hugging Face tokenizer gives beyond the SentencePiece pieces ([PAD] at 32000, Phi-3's 64 chat and
+    # padding tokens): the new pieces follow them.
     count = len(vocabulary._proto(base_bytes).pieces)
-    reserved = {i: t.content for i, t in base.added_tokens_decoder.items() if i >= count}
+    reserved = {i: piece for piece, i in base.get_vocab().items() if i >= count}
     first = max(count, max(reserved, default=-1) + 1)
     base_json = json.loads(base.backend_tokenizer.to_str())
     tokenizer.copy(base_dir, folder, tuple(n for n in tokenizer.FILES if n not in tokenizer.VOCABULARY_FILES))

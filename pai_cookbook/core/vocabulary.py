@@ -316,8 +316,9 @@ def sentencepiece_settings(model_bytes: bytes) -> dict[str, Any]:
     for name in _NORMALIZER_FIELDS:
         settings[name] = getattr(model.normalizer_spec, name)
     settings["normalization_rule_name"] = model.normalizer_spec.name
-    user = [p.piece for p in model.pieces if p.type == p.USER_DEFINED]
-    control = [p.piece for p in model.pieces if p.type == p.CONTROL and p.piece not in (spec.bos_piece, spec.eos_piece)]
+    named = {spec.unk_piece, spec.bos_piece, spec.eos_piece, spec.pad_piece}  # the trainer defines these itself
+    user = [p.piece for p in model.pieces if p.type == p.USER_DEFINED and p.piece not in named]
+    control = [p.piece for p in model.pieces if p.type == p.CONTROL and p.piece not in named]
     return settings | ({"user_defined_symbols": user} if user else {}) | ({"control_symbols": control} if control else {})
 
 
@@ -446,6 +447,10 @@ def extend_sentencepiece_json(data: dict[str, Any], model_bytes: bytes, pieces: 
     vocab = model["vocab"]
     special = {t["content"] for t in data.get("added_tokens", [])}
     operands = {p for p in vocab if p not in special} | set(pieces)
+    taken = max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))], default=-1)
+    if taken >= first:
+        raise ConfigError(f"the new pieces would start at id {first}, but the base tokenizer already has id {taken}; "
+                          f"expected the first new id after every old one (report this with the base tokenizer).")
     for offset, piece in enumerate(pieces):
         if piece in vocab:
             raise ConfigError(f"new piece {piece!r} is already token {vocab[piece]} of the base tokenizer.")
