@@ -38,10 +38,10 @@ MISTRAL_PACKAGE, MISTRAL_VERSION = "mistral-common", "1.13.1"
 MISTRAL_MODELS = {"mistral-v1": "tokenizer.model.v1", "mistral-v3": "mistral_instruct_tokenizer_240323.model.v3"}
 """Files of mistral_common/data/ in the wheel (Apache-2.0)."""
 NEW_TOKENS = {"byte-level BPE": 2000, "SentencePiece": 5000}
-"""New tokens asked for. SentencePiece needs every character of the corpus (99.95% coverage: ~4,700 on LEARN
+"""New tokens asked for. SentencePiece needs every character of the corpus (99.95% coverage: thousands on LEARN
 sentences) to be a piece before any merge, so it is asked for more."""
-LEARN = 20000
-"""Chinese sentences learned from (~400k characters): a few seconds per tokenizer."""
+LEARN = 10000
+"""Chinese sentences learned from (~210k characters): seconds per tokenizer."""
 HELD_OUT = 1000
 ENGLISH = 1000
 SOURCE_FILE = "real_tokenizers.json"
