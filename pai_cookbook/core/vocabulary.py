@@ -11,10 +11,12 @@ Two kinds of tokenizer, two merge paths (`kind` tells which one a folder needs):
   text comes out as before, and every new token is a join of old tokens of the same word.
 - **SentencePiece** (`tokenizer.model`: Llama 2, Mistral). `merge_sentencepiece` appends the pieces of a
   model trained on your corpus (with the base's own normalizer, byte fallback and dummy prefix) to the
-  base's protobuf, with scores below every old score and decreasing in learned order. (Appending with
-  score 0, as the widely copied merge script does, lets every new piece outrank the old merges, and
-  transformers' fast conversion orders merges by rank, so SentencePiece and the fast tokenizer then
-  disagree.)
+  base's protobuf, with scores below every old score and decreasing in learned order (distinct in float32:
+  `scores_below`). (Appending with score 0, as the widely copied merge script does, lets every new piece
+  outrank the old merges.) The Hugging Face tokenizer is the base's own with the new pieces' merges
+  appended after every old merge (`extend_sentencepiece_json`), not a new conversion of the model:
+  transformers 5 ranks converted merges by id, which on Mistral's model tokenizes indented text
+  differently from the user's tokenizer, and its config (special tokens matched in text) is kept.
 
 Both keep every old id on its piece and every special token on its id, and report new tokens that no
 text of the corpus produces (`unreached`), which `prune` removes.
