@@ -158,10 +158,12 @@ def _download(into: Path) -> Path:
     return sdist
 
 
-def _extract(sdist: Path, into: Path) -> dict[str, int]:
-    """Only the templates and the VOCABS files, each by its base name (nothing else of the archive is written)."""
-    wanted = {MODELS + "templates/*.jinja": into / "templates"}
-    wanted.update({MODELS + f"ggml-vocab-{name}.gguf": into / "vocab" for name in VOCABS})
+def _extract(sdist: Path, into: Path, templates: bool = True) -> dict[str, int]:
+    """Only the templates and the VOCABS files with their reference strings (`.gguf.inp`) and llama.cpp's ids for
+    them (`.gguf.out`), each by its base name (nothing else of the archive is written)."""
+    wanted = {MODELS + "templates/*.jinja": into / "templates"} if templates else {}
+    wanted.update({MODELS + f"ggml-vocab-{name}.gguf{ext}": into / "vocab" for name in VOCABS
+                   for ext in ("", ".inp", ".out")})
     counts = {"templates": 0, "vocab": 0}
     with tarfile.open(sdist, "r|gz") as archive:  # one pass over the stream
         for member in archive:
@@ -173,7 +175,7 @@ def _extract(sdist: Path, into: Path) -> dict[str, int]:
                 shutil.copyfileobj(src, dst)
             counts[target.name] += 1
     missing = [n for n in VOCABS if not (into / "vocab" / f"ggml-vocab-{n}.gguf").exists()]
-    if missing or not counts["templates"]:
+    if missing or (templates and not counts["templates"]):
         raise FetchError(f"{sdist.name} lacks {missing or 'the templates'}; it is not the {PACKAGE} {VERSION} sdist.")
     return counts
 
@@ -198,6 +200,32 @@ def fetch() -> Path:
             "model's", **counts, "seconds": round(time.perf_counter() - start, 1)}, indent=2))
 
     return _write_atomically(folder, fill)
+
+
+def vocab_tests(name: str) -> list[tuple[str, list[int]]]:
+    """llama.cpp's reference strings for the vocabulary ggml-vocab-`name`.gguf and the ids llama.cpp gives them
+    (without BOS), as `(text, ids)` pairs. A cache fetched before these files were kept gets them once (pip's cache
+    usually holds the sdist), in vocab-tests/ beside vocab/.
+
+    Raises:
+        FetchError: the sdist could not be fetched with pip.
+    """
+    folder = fetch() / "vocab"
+    if not (folder / f"ggml-vocab-{name}.gguf.out").exists():
+        folder = root() / "vocab-tests"
+        if not (folder / SOURCE_FILE).exists():
+            def fill(partial: Path) -> None:
+                with tempfile.TemporaryDirectory(prefix="llama-cpp-python-") as scratch:
+                    counts = _extract(_download(Path(scratch)), partial, templates=False)
+                for gguf in (partial / "vocab").glob("*.gguf"):
+                    gguf.unlink()  # vocab/ of the first fetch has them
+                (partial / SOURCE_FILE).write_text(json.dumps({"package": f"{PACKAGE}=={VERSION}", **counts}))
+
+            _write_atomically(folder, fill)
+        folder = folder / "vocab"
+    texts = (folder / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    lines = (folder / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").splitlines()
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, lines)]
 
 
 def _smollm2_folder() -> Path:

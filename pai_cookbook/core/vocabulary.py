@@ -11,10 +11,12 @@ Two kinds of tokenizer, two merge paths (`kind` tells which one a folder needs):
   text comes out as before, and every new token is a join of old tokens of the same word.
 - **SentencePiece** (`tokenizer.model`: Llama 2, Mistral). `merge_sentencepiece` appends the pieces of a
   model trained on your corpus (with the base's own normalizer, byte fallback and dummy prefix) to the
-  base's protobuf, with scores below every old score and decreasing in learned order. (Appending with
-  score 0, as the widely copied merge script does, lets every new piece outrank the old merges, and
-  transformers' fast conversion orders merges by rank, so SentencePiece and the fast tokenizer then
-  disagree.)
+  base's protobuf, with scores below every old score and decreasing in learned order (distinct in float32:
+  `scores_below`). (Appending with score 0, as the widely copied merge script does, lets every new piece
+  outrank the old merges.) The Hugging Face tokenizer is the base's own with the new pieces' merges
+  appended after every old merge (`extend_sentencepiece_json`), not a new conversion of the model:
+  transformers 5 ranks converted merges by id, which on Mistral's model tokenizes indented text
+  differently from the user's tokenizer, and its config (special tokens matched in text) is kept.
 
 Both keep every old id on its piece and every special token on its id, and report new tokens that no
 text of the corpus produces (`unreached`), which `prune` removes.
@@ -196,23 +198,48 @@ def _merge_word(word: list[str], pair: tuple[str, str], joined: str, freq: int,
 
 
 def extend_bpe_json(data: dict[str, Any], pairs: list[tuple[str, str]]) -> tuple[dict[str, Any], int]:
-    """A copy of a byte-level BPE tokenizer.json (as a dict) with `pairs` appended as merges and their
-    tokens as vocabulary entries; returns it and the first new id.
+    """A copy of a BPE tokenizer.json (as a dict, as the base tokenizer serializes itself) with `pairs`
+    appended as merges and their tokens as vocabulary entries; returns it and the first new id.
 
-    New ids follow every existing id (model vocabulary and added tokens), so special tokens keep theirs.
+    New ids follow every existing id (model vocabulary and added tokens). Added tokens that are not in
+    `model.vocab` (Qwen's specials, Llama 3's in Meta's layout) are written into it at their ids first:
+    `tokenizers` (0.23) ignores an added token's recorded id when its text is not in the vocabulary and
+    gives it the next id from len(vocab) upwards, so once the vocabulary grows they would move.
     """
     data = json.loads(json.dumps(data))
     model = data["model"]
-    taken = set(model["vocab"].values()) | {t["id"] for t in data.get("added_tokens", [])}
-    first = max(taken) + 1
+    vocab = model["vocab"]
+    pin_added_tokens(data)
+    first = max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))], default=-1) + 1
     strings_format = bool(model["merges"]) and isinstance(model["merges"][0], str)  # "a b" (older files)
     for offset, (a, b) in enumerate(pairs):
-        if a + b in model["vocab"]:
+        if a + b in vocab:
             raise ConfigError(f"merge {a!r} + {b!r} makes {a + b!r}, which is already token "
-                              f"{model['vocab'][a + b]}: a merge must make a new token.")
-        model["vocab"][a + b] = first + offset
+                              f"{vocab[a + b]}: a merge must make a new token.")
+        vocab[a + b] = first + offset
         model["merges"].append(f"{a} {b}" if strings_format else [a, b])
     return data, first
+
+
+def pin_added_tokens(data: dict[str, Any]) -> None:
+    """Write the added tokens of a tokenizer.json dict that `model.vocab` lacks into it, at their ids (in
+    place), so that they keep those ids however the vocabulary grows.
+
+    Raises:
+        ConfigError: an added token's id is another vocabulary entry's (the file is not what its
+            tokenizer serialized).
+    """
+    vocab = data["model"]["vocab"]
+    by_id = {i: piece for piece, i in vocab.items()}
+    for token in data.get("added_tokens", []):
+        if token["content"] in vocab:
+            continue
+        if token["id"] in by_id:
+            raise ConfigError(f"added token {token['content']!r} has id {token['id']}, which is also vocabulary entry "
+                              f"{by_id[token['id']]!r}; expected the tokenizer.json its tokenizer serializes "
+                              f"(tokenizer.backend_tokenizer.to_str()). Save the base with save_pretrained first.")
+        vocab[token["content"]] = token["id"]
+        by_id[token["id"]] = token["content"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -291,8 +318,9 @@ def sentencepiece_settings(model_bytes: bytes) -> dict[str, Any]:
     for name in _NORMALIZER_FIELDS:
         settings[name] = getattr(model.normalizer_spec, name)
     settings["normalization_rule_name"] = model.normalizer_spec.name
-    user = [p.piece for p in model.pieces if p.type == p.USER_DEFINED]
-    control = [p.piece for p in model.pieces if p.type == p.CONTROL and p.piece not in (spec.bos_piece, spec.eos_piece)]
+    named = {spec.unk_piece, spec.bos_piece, spec.eos_piece, spec.pad_piece}  # the trainer defines these itself
+    user = [p.piece for p in model.pieces if p.type == p.USER_DEFINED and p.piece not in named]
+    control = [p.piece for p in model.pieces if p.type == p.CONTROL and p.piece not in named]
     return settings | ({"user_defined_symbols": user} if user else {}) | ({"control_symbols": control} if control else {})
 
 
@@ -327,21 +355,112 @@ def new_pieces(base_bytes: bytes, extra_bytes: bytes) -> list[str]:
             if p.type == normal and p.piece not in have and not all(c in base_chars for c in p.piece)]
 
 
-def append_pieces(base_bytes: bytes, pieces: list[str], *, zero_scores: bool = False) -> bytes:
+def scores_below(lowest: float, n: int) -> list[float]:
+    """`n` scores, each below `lowest` and the one before it *as float32* (the protobuf stores float32).
+
+    Steps of 1.0 collapse far from zero: below Mistral's -1e9 a float32 step is 64, so min-1, min-2, ...
+    gave 3,380 new pieces 54 distinct scores, and pieces that tie are ranked by position, not by the
+    order they were learned in. Each step here is at least one float32 spacing."""
+    import numpy as np
+
+    out, score = [], np.float32(lowest)
+    for _ in range(n):
+        lower = np.float32(score - np.float32(1.0))
+        score = lower if lower < score else np.nextafter(score, np.float32(-np.inf))
+        out.append(float(score))
+    return out
+
+
+def append_pieces(base_bytes: bytes, pieces: list[str], *, zero_scores: bool = False,
+                  reserved: dict[int, str] | None = None) -> bytes:
     """`base` with `pieces` appended as normal pieces, scored below every old score and decreasing.
 
+    reserved: ids at or beyond the base's pieces that the Hugging Face tokenizer already gives to added
+        tokens ([PAD] at 32000 in many Llama 2 fine-tunes, Phi-3's 64 chat tokens). They are written as
+        control pieces first, so the new pieces' ids follow them in both tokenizers (a control piece is
+        never matched in text, so SentencePiece's tokenization of old text is unchanged); an id between
+        them that nothing holds becomes an unused piece.
     zero_scores=True is the widely copied merge (score 0 for every new piece), kept for showing what
     it breaks: SentencePiece then prefers new pieces over old merges, and transformers (which ranks a
     merge by the new piece's id) no longer agrees with it.
     """
     base = _proto(base_bytes)
-    score = min(p.score for p in base.pieces) - 1.0
-    for text in pieces:
+    reserved = reserved or {}
+    for i in range(len(base.pieces), max(reserved, default=-1) + 1):
+        held = base.pieces.add()
+        held.piece = reserved.get(i, f"<pai_cookbook_unused_{i}>")
+        held.type = base.SentencePiece.CONTROL if i in reserved else base.SentencePiece.UNUSED
+        held.score = 0.0
+    scores = scores_below(min(p.score for p in base.pieces), len(pieces))
+    for text, score in zip(pieces, scores):
         new = base.pieces.add()
         new.piece, new.type, new.score = text, base.SentencePiece.NORMAL, 0.0 if zero_scores else score
-        score -= 1.0
     base.trainer_spec.vocab_size = len(base.pieces)
     return base.SerializeToString()
+
+
+def score_ranked_merges(model_bytes: bytes, pieces: list[str] | None = None,
+                        operands: set[str] | None = None) -> list[tuple[str, str]]:
+    """BPE merges for a SentencePiece model's pieces, ranked as SentencePiece applies them: by the score
+    of the piece they make, highest first (ties by id), every split into two pieces of the model.
+
+    transformers 5 ranks converted merges by the made piece's id instead; on Mistral's model, whose
+    whitespace runs (▁▁ at id 259, ▁▁▁▁ at 260, ...) have low ids and score -1e9, that merges spaces
+    before words and tokenizes indented text differently from SentencePiece.
+
+    Args:
+        pieces: only the merges that make these pieces (in this order when given): new pieces appended
+            to a base whose own merges stay as they are.
+        operands: pieces a merge may join (default: the model's normal and user-defined pieces).
+    """
+    model = _proto(model_bytes)
+    kinds = (model.SentencePiece.NORMAL, model.SentencePiece.USER_DEFINED)
+    ids = {p.piece: i for i, p in enumerate(model.pieces)}
+    if operands is None:
+        operands = {p.piece for p in model.pieces if p.type in kinds}
+    if pieces is None:
+        made = sorted((i for i, p in enumerate(model.pieces) if p.type == model.SentencePiece.NORMAL),
+                      key=lambda i: (-model.pieces[i].score, i))
+        pieces = [model.pieces[i].piece for i in made]
+    merges = []
+    for piece in pieces:
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                  if piece[:k] in operands and piece[k:] in operands]
+        merges.extend(sorted(splits, key=lambda pair: (ids[pair[0]], ids[pair[1]])))
+    return merges
+
+
+def extend_sentencepiece_json(data: dict[str, Any], model_bytes: bytes, pieces: list[str],
+                              first: int) -> dict[str, Any]:
+    """A copy of the base's Hugging Face tokenizer.json (a BPE model converted from SentencePiece, as a
+    dict) with `pieces` at ids `first`, `first + 1`, ... and their merges appended after every old one.
+
+    The old merges stay exactly as the base ranks them, so old text tokenizes as the base tokenizes it
+    (whether or not the base agrees with SentencePiece); a new merge ranks below every old merge, as the
+    new pieces' scores do in SentencePiece. `model_bytes` is the extended SentencePiece model.
+    """
+    data = json.loads(json.dumps(data))
+    model = data["model"]
+    if model.get("type") != "BPE":
+        raise ConfigError(f"the base's tokenizer.json holds a {model.get('type')} model; expected the BPE model "
+                          f"transformers converts a SentencePiece BPE tokenizer.model into. Save the base with "
+                          f"AutoTokenizer.from_pretrained(...).save_pretrained(...) and extend that folder.")
+    pin_added_tokens(data)
+    vocab = model["vocab"]
+    special = {t["content"] for t in data.get("added_tokens", [])}
+    operands = {p for p in vocab if p not in special} | set(pieces)
+    taken = max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))], default=-1)
+    if taken >= first:
+        raise ConfigError(f"the new pieces would start at id {first}, but the base tokenizer already has id {taken}; "
+                          f"expected the first new id after every old one (report this with the base tokenizer).")
+    for offset, piece in enumerate(pieces):
+        if piece in vocab:
+            raise ConfigError(f"new piece {piece!r} is already token {vocab[piece]} of the base tokenizer.")
+        vocab[piece] = first + offset
+    strings_format = bool(model["merges"]) and isinstance(model["merges"][0], str)
+    for a, b in score_ranked_merges(model_bytes, pieces, operands):
+        model["merges"].append(f"{a} {b}" if strings_format else [a, b])
+    return data
 
 
 def prune_pieces(pieces: list[str], unreached: set[str]) -> list[str]:
@@ -355,15 +474,15 @@ def prune_pieces(pieces: list[str], unreached: set[str]) -> list[str]:
 def sentencepiece_to_hf(model_bytes: bytes, folder: Path, special: dict[str, str]) -> None:
     """Write a Hugging Face fast tokenizer for a SentencePiece BPE model into `folder` (with the model).
 
-    transformers' own conversion makes the vocabulary and merges (a merge ranks by the id of the piece
-    it makes: hence the decreasing scores). Its Llama class then rebuilds the normalizer as
+    transformers' own conversion makes the vocabulary; the merges are ranked as SentencePiece ranks them
+    (`score_ranked_merges`: by score, where transformers ranks by id). Its Llama class then rebuilds the normalizer as
     Metaspace(prepend_scheme="first"), which drops the dummy prefix before text that starts with a space
     (" hi" gives "▁hi" where SentencePiece gives "▁▁" "hi"); Llama 2's own normalizer (prepend "▁",
     spaces to "▁") is put back and the folder saved as a plain fast tokenizer, so it loads as written.
     """
     import tempfile
 
-    from tokenizers import normalizers
+    from tokenizers import Tokenizer, normalizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -371,6 +490,9 @@ def sentencepiece_to_hf(model_bytes: bytes, folder: Path, special: dict[str, str
         (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_prefix_space": True} | special))
         backend = AutoTokenizer.from_pretrained(tmp).backend_tokenizer
+    data = json.loads(backend.to_str())
+    data["model"]["merges"] = [list(pair) for pair in score_ranked_merges(model_bytes)]
+    backend = Tokenizer.from_str(json.dumps(data))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     backend.pre_tokenizer = None
     fast = PreTrainedTokenizerFast(tokenizer_object=backend, add_bos_token=True, add_eos_token=False,
