@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pai_cookbook.core import checkpoint, nodes, tokenizer, vocabulary
+from pai_cookbook.core import checkpoint, inputs, nodes, tokenizer, vocabulary
 from pai_cookbook.core.config import ConfigError
 from pai_cookbook.core.worker import Job
 
@@ -72,7 +72,7 @@ def read_extension(folder: str | Path) -> Extension:
     if not path.exists():
         raise FileNotFoundError(f"{folder} has no {EXTENSION_FILE}: not a tokenizer made by "
                                 f"extend.extend_tokenizer; make one with it first.")
-    return Extension(**json.loads(path.read_text()))
+    return Extension(**inputs.read_json(path, fix="Extend the tokenizer again with extend.extend_tokenizer(...)."))
 
 
 def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, new_tokens: int, *,
@@ -86,10 +86,15 @@ def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, ne
         FileExistsError: `out` holds files and overwrite is False.
     """
     base_dir, out = Path(base_dir), Path(out)
-    if isinstance(texts, (str, bytes)) or not all(isinstance(t, str) for t in texts):
-        found = type(texts).__name__ if isinstance(texts, (str, bytes)) else "a sequence holding other things"
-        raise ConfigError(f"texts must be a list of strings; got {found} (a single string would be learned one "
-                          f"character at a time). Pass [text], or the lines or documents of your corpus.")
+    texts = inputs.listed(texts, "texts", "strings (a single string would be learned one character at a time; pass "
+                                          "the lines or documents of your corpus)")
+    if not all(isinstance(t, str) for t in texts):
+        raise ConfigError("texts must be a list of strings; got a sequence holding other things. Pass the lines or "
+                          "documents of your corpus.")
+    inputs.integer(new_tokens, "new_tokens")
+    if not base_dir.is_dir():
+        raise ConfigError(f"base tokenizer folder {base_dir} does not exist; give the folder holding the model's "
+                          f"tokenizer files (tokenizer.json or tokenizer.model).")
     kind = vocabulary.kind(base_dir)
     if new_tokens < 1:
         raise ConfigError(f"new_tokens must be >= 1, got {new_tokens}.")
@@ -309,6 +314,9 @@ def check_tokenizer(base_dir: str | Path, extended_dir: str | Path, texts: list[
 
 def compression(tokenizer_dir: str | Path, texts: list[str]) -> float:
     """Tokens per character of a tokenizer on `texts` (lower is better)."""
+    texts = [t for t in inputs.listed(texts, "texts", "strings") if t]
+    if not texts:
+        raise ValueError("no texts to measure; pass at least one non-empty text.")
     hf = tokenizer.load(tokenizer_dir)
     tokens = sum(len(ids) for ids in hf(texts, add_special_tokens=False).input_ids)
     return tokens / sum(len(t) for t in texts)

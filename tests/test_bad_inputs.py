@@ -224,6 +224,19 @@ RAW = {
                                  r"steps=0 must be an int >= 1"),
     "moe_layer_freq 0": (lambda f, t: moe.upcycled_config(families.tiny("llama"), 4, moe_layer_freq=0),
                          r"moe_layer_freq=0 must be an int >= 1"),
+    "extend: new_tokens as text": (lambda f, t: __import__("pai_cookbook.extend").extend.extend_tokenizer(
+        t, ["天气"], f / "ext", "100"), r"new_tokens='100' must be an int >= 1"),
+    "extend: a base folder that does not exist": (lambda f, t: __import__("pai_cookbook.extend").extend.extend_tokenizer(
+        f / "nope", ["天气"], f / "ext", 100), r"base tokenizer folder .*nope does not exist"),
+    "extend: a tokenizer.json cut short": (lambda f, t: (f / "folder" / "tokenizer.json").write_text("{\"mod") and
+                                           __import__("pai_cookbook.extend").extend.extend_tokenizer(
+                                               f / "folder", ["天气"], f / "ext", 100),
+                                           r"tokenizer.json is not valid JSON.*Save the tokenizer there again"),
+    "extend.compression of no texts": (lambda f, t: __import__("pai_cookbook.extend").extend.compression(t, []),
+                                       r"no texts to measure"),
+    "an extension record cut short": (lambda f, t: (f / "folder" / "pai_cookbook_extension.json").write_text("{") and
+                                      __import__("pai_cookbook.extend").extend.read_extension(f / "folder"),
+                                      r"is not valid JSON.*Extend the tokenizer again"),
     "moe.load_balance of a dense run": (lambda f, t: moe.load_balance([{"loss": 1.0}], 0),
                                         r"the history has no 'expert_load'"),
 }

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pai_cookbook.core import inputs
 from pai_cookbook.core.model_config import ConfigError
 
 Kind = Literal["byte_bpe", "sentencepiece"]
@@ -52,7 +53,8 @@ def kind(folder: str | Path) -> Kind:
         raise ConfigError(f"{folder} has neither tokenizer.model (SentencePiece) nor tokenizer.json (byte-level "
                           f"BPE): the cookbook extends those two kinds. Save the model's tokenizer there with "
                           f"AutoTokenizer.from_pretrained(...).save_pretrained('{folder}').")
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = inputs.read_json(path, fix=f"Save the tokenizer there again (AutoTokenizer.from_pretrained(...)"
+                                      f".save_pretrained('{folder}')).")
     model_type = data.get("model", {}).get("type")
     if model_type == "BPE" and _has_byte_level(data.get("pre_tokenizer")):
         return "byte_bpe"
