@@ -272,12 +272,11 @@ def _write(job: ConvertJob, out: Path, overwrite: bool, run_dir: str | Path | No
     its first byte, more than the bytes of a small model take. Otherwise (GPU machines, `timeout_s`, a caller
     that is itself a worker) it is a one-process worker, with its log in `run_dir`."""
     from pai_cookbook.core import launch, runtime
-    from pai_cookbook.workers import convert as convert_worker
 
     with checkpoint.writing(out, overwrite) as partial:
         job.dst = str(partial.resolve())
         if timeout_s is None and runtime.can_host_world_of_one():
-            result = launch.run_here(job, convert_worker.run)
+            result = launch.run_here(job)
         else:
             result = launch.launch(job, run_dir=run_dir or out.with_name(out.name + ".logs"), echo=False,
                                    show_progress=False, timeout_s=timeout_s)

@@ -57,6 +57,9 @@ class Extension:
     """Kept new tokens that the corpus only ever merges further (BPE needs them to build longer ones)."""
     sources: list[list[int]] = field(default_factory=list)
     """Old ids of each new token's text, in new-id order: what the mean initialisation averages."""
+    old_text_checked: dict[str, int] = field(default_factory=dict)
+    """Texts the writer tokenized with the base and the extension before publishing it, per tokenizer ("Hugging
+    Face", and "SentencePiece" for a tokenizer.model); every one without a new token came out unchanged."""
 
     @property
     def added(self) -> int:
@@ -108,12 +111,12 @@ def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, ne
             first, learned, dropped, intermediate = _extend_sentencepiece(base, base_dir, partial, texts, new_tokens)
         extended = tokenizer.load(partial)
         _check_specials(base, extended)
-        _check_old_text(base, extended, base_dir, partial, first, texts)
+        checked = _check_old_text(base, extended, base_dir, partial, first, texts)
         extension = Extension(kind=kind, base=str(base_dir.resolve()), base_fingerprint=tokenizer.fingerprint(base_dir),
                               base_size=len(base), first_new=first, size=len(extended), requested=new_tokens,
                               learned=learned, dropped=dropped,
                               intermediate=intermediate,
-                              sources=sub_tokens(base, extended, first))
+                              sources=sub_tokens(base, extended, first), old_text_checked=checked)
         (partial / EXTENSION_FILE).write_text(json.dumps(asdict(extension), ensure_ascii=False))
     return extension
 
@@ -222,9 +225,10 @@ def old_texts(base, texts: list[str] = ()) -> list[str]:
     return corpora.EDGE_CASES + english + indented + code + typed + list(texts[:CHECKED_CORPUS_TEXTS])
 
 
-def _check_old_text(base, extended, base_dir: Path, folder: Path, first: int, texts: list[str]) -> None:
+def _check_old_text(base, extended, base_dir: Path, folder: Path, first: int, texts: list[str]) -> dict[str, int]:
     """Refuse to publish an extension that changes any old id, or the tokens of any text it tokenizes without
     a new token (against the base's Hugging Face tokenizer, and for SentencePiece against SentencePiece too).
+    Returns the texts checked per tokenizer.
 
     Raises:
         ConfigError: naming the first text that changed, with both tokenizations.
@@ -236,7 +240,7 @@ def _check_old_text(base, extended, base_dir: Path, folder: Path, first: int, te
                           f"{moved[0][1]} to {moved[0][2]}; expected every old id kept. Nothing was written; "
                           f"report this with the base tokenizer (the merge should never move an old id).")
     checks = old_texts(base, texts)
-    encoders = [("the Hugging Face tokenizer", lambda t: base(t, add_special_tokens=False).input_ids,
+    encoders = [("Hugging Face", lambda t: base(t, add_special_tokens=False).input_ids,
                  lambda t: extended(t, add_special_tokens=False).input_ids)]
     if (folder / "tokenizer.model").exists() and (base_dir / "tokenizer.model").exists():
         import sentencepiece
@@ -251,6 +255,7 @@ def _check_old_text(base, extended, base_dir: Path, folder: Path, first: int, te
                 raise ConfigError(f"the extended tokenizer ({name}) changes old text {text[:80]!r}: {before[:12]} "
                                   f"became {after[:12]} with no new token; expected old text unchanged. Nothing was "
                                   f"written; report this with the base tokenizer.")
+    return {name: len(checks) for name, _, _ in encoders}
 
 
 def _check_no_special_spelled(base, texts: list[str]) -> None:

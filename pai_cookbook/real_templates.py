@@ -140,7 +140,7 @@ def root() -> Path:
     return smollm2.cache_dir() / f"{PACKAGE}-{VERSION}"
 
 
-def _write_atomically(folder: Path, fill) -> Path:
+def write_atomically(folder: Path, fill) -> Path:
     """Make `folder` by filling `<folder>.partial` (`checkpoint.writing`: one writer, published whole or not at all)."""
     from pai_cookbook.core import checkpoint
 
@@ -199,7 +199,7 @@ def fetch() -> Path:
             "package": f"{PACKAGE}=={VERSION}", "license": "MIT (llama-cpp-python, llama.cpp); each template is its "
             "model's", **counts, "seconds": round(time.perf_counter() - start, 1)}, indent=2))
 
-    return _write_atomically(folder, fill)
+    return write_atomically(folder, fill)
 
 
 def vocab_tests(name: str) -> list[tuple[str, list[int]]]:
@@ -221,7 +221,7 @@ def vocab_tests(name: str) -> list[tuple[str, list[int]]]:
                     gguf.unlink()  # vocab/ of the first fetch has them
                 (partial / SOURCE_FILE).write_text(json.dumps({"package": f"{PACKAGE}=={VERSION}", **counts}))
 
-            _write_atomically(folder, fill)
+            write_atomically(folder, fill)
         folder = folder / "vocab"
     texts = (folder / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     lines = (folder / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").splitlines()
@@ -305,7 +305,7 @@ def tokenizer_folder(case: Case) -> Path:
                   "seconds": round(time.perf_counter() - start, 1)}
         (partial / SOURCE_FILE).write_text(json.dumps(source, indent=2, ensure_ascii=False))
 
-    return _write_atomically(folder, fill)
+    return write_atomically(folder, fill)
 
 
 WAYS = {"system='fold'": ("system", "fold"), "stop_tokens=": ("stop_tokens", None),

@@ -139,7 +139,7 @@ def _mistral_model(name: str) -> bytes:
             (partial / SOURCE_FILE).write_text(json.dumps({"package": f"{MISTRAL_PACKAGE}=={MISTRAL_VERSION}",
                                                            "license": "Apache-2.0"}))
 
-        real_templates._write_atomically(cached.parent, fill)
+        real_templates.write_atomically(cached.parent, fill)
     return cached.read_bytes()
 
 
@@ -184,7 +184,7 @@ def base_folder(case: Case) -> Path:
         (partial / SOURCE_FILE).write_text(json.dumps({"source": case.source, "family": case.family,
                                                        "seconds": round(time.perf_counter() - start, 1)}))
 
-    return real_templates._write_atomically(folder, fill)
+    return real_templates.write_atomically(folder, fill)
 
 
 def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -249,18 +249,35 @@ def measure(case: Case, out: Path) -> list[dict[str, Any]]:
         row["sentencepiece_changed"] = _changed(old_sp.encode(old_text), new_sp.encode(old_text), first)
         row["sentencepiece_hf_disagree_base"] = _changed(old_sp.encode(held_out + old_text), _ids(base, held_out + old_text))
         row["sentencepiece_hf_disagree"] = _changed(new_sp.encode(held_out + old_text), _ids(extended, held_out + old_text))
-    return [row, _add_tokens_row(case, base_dir, extended, first, held_out, english, every, zh_base, en_base, rt_base)]
+    return [row, _add_tokens_row(case, base_dir, out, held_out, english, every, zh_base, en_base, rt_base)]
 
 
-def _add_tokens_row(case: Case, base_dir: Path, extended, first: int, held_out: list[str], english: list[str],
+def add_tokens_baseline(base_dir: str | Path, extended_dir: str | Path, out: str | Path | None = None):
+    """The base tokenizer with the extension's new strings added by `tokenizer.add_tokens` (LLaMA-Factory's route:
+    each is matched in the raw text before the tokenizer's own model runs), saved to `out` when given.
+
+    Returns:
+        (the tokenizer, how many strings were added).
+    """
+    from pai_cookbook import extend
+    from pai_cookbook.core import tokenizer as tokenizers
+
+    with quiet_transformers():
+        added, extended = tokenizers.load(base_dir), tokenizers.load(extended_dir)
+    first = extend.read_extension(extended_dir).first_new
+    strings = {extended.decode([i]).strip() for i in range(first, len(extended))} - {""}
+    count = added.add_tokens(sorted(strings - set(added.get_vocab())))
+    if out is not None:
+        added.save_pretrained(out)
+    return added, count
+
+
+def _add_tokens_row(case: Case, base_dir: Path, extended_dir: Path, held_out: list[str], english: list[str],
                     every: list[str], zh_base, en_base, rt_base: set[int]) -> dict[str, Any]:
     """The same new strings added with `tokenizer.add_tokens` (matched in the text before the model runs)."""
     from pai_cookbook.core import tokenizer as tokenizers
 
-    with quiet_transformers():
-        added = tokenizers.load(base_dir)
-    strings = {extended.decode([i]).strip() for i in range(first, len(extended))} - {""}
-    count = added.add_tokens(sorted(strings - set(added.get_vocab())))
+    added, count = add_tokens_baseline(base_dir, extended_dir)
     zh, en = _ids(added, held_out), _ids(added, english)
     return {"tokenizer": case.id, "family": case.family, "method": "add_tokens", "base_size": len(tokenizers.load(base_dir)),
             "added": count, "english_changed": _changed(en_base, en),
@@ -268,14 +285,22 @@ def _add_tokens_row(case: Case, base_dir: Path, extended, first: int, held_out: 
             "zh_tokens_per_char_before": _per_char(zh_base, held_out), "zh_tokens_per_char_after": _per_char(zh, held_out)}
 
 
-def matrix(out_dir: str | Path, cases: list[Case] | None = None) -> list[dict[str, Any]]:
-    """`measure` of every case (default: CASES); the extended tokenizers are written under `out_dir`.
+def matrix(out_dir: str | Path, cases: list[Case | str] | str | None = None) -> list[dict[str, Any]]:
+    """`measure` of every case (default or "all": CASES; or cases and their ids); the extended tokenizers are written
+    under `out_dir`.
 
     Returns:
         Rows (dicts) in case order, each extension followed by its add_tokens baseline.
     """
+    from pai_cookbook.core.model_config import ConfigError
+
+    by_id = {case.id: case for case in CASES}
+    chosen = CASES if cases in (None, "all") else [by_id.get(c, c) if isinstance(c, str) else c for c in cases]
+    unknown = [c for c in chosen if isinstance(c, str)]
+    if unknown:
+        raise ConfigError(f"real tokenizer(s) {unknown} are not in the matrix; choose from {list(by_id)} or 'all'.")
     rows = []
-    for case in cases or CASES:
+    for case in chosen:
         rows += measure(case, Path(out_dir) / case.id)
     return rows
 

@@ -171,7 +171,7 @@ def test_end_of_sequence_and_stop_strings_end_a_completion(second_launch):
     ({"temperature": 0.0}, r"temperature=0\.0 must be > 0"),
     ({"repetition_penalty": 0.0}, r"repetition_penalty=0\.0 must be > 0"),
     ({"top_p": 1.5}, r"top_p=1\.5 must be in \[0, 1\]"),
-    ({"max_new_tokens": 0}, r"max_new_tokens=0 must be at least 1"),
+    ({"max_new_tokens": 0}, r"max_new_tokens=0 must be >= 1"),
     ({"chat_template": "maybe"}, r"chat_template='maybe'"),
     ({"stop": ("",)}, r"empty string"),
 ])

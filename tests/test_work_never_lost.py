@@ -168,7 +168,8 @@ def test_inputs_that_gave_silent_wrong_results_or_raw_errors_are_refused_naming_
 
     from pai_cookbook import data, extend, sft, smollm2
 
-    with pytest.raises(ConfigError, match=r"texts must be a list of strings \(a single string would be learned one character at a time.*got one str .*pass \['some string'\]"):
+    with pytest.raises(ConfigError, match=r"texts must be a list of strings \(a single string would be learned one "
+                                          r"character at a time.*got one str .*pass \['some string'\]"):
         extend.extend_tokenizer(smollm2.hf_folder(), "some string", tmp_path / "ext", 100)
     assert not (tmp_path / "ext").exists()
     corpus = tmp_path / "corpus.jsonl"

@@ -85,12 +85,16 @@ def benign_warnings(device: runtime.DeviceInfo) -> tuple[str, ...]:
     return ALWAYS_BENIGN_WARNINGS + (() if device.is_cuda else CPU_BENIGN_WARNINGS)
 
 
-def run_here(job: worker.Job, run: Callable[[Any, runtime.DeviceInfo], dict[str, Any]]) -> dict[str, Any]:
-    """Run a one-process job in this process instead of a worker: `run(job, device)` inside
+def run_here(job: worker.Job) -> dict[str, Any]:
+    """Run a one-process job in this process instead of a worker: its worker module's `run(job, device)` inside
     `runtime.world_of_one()`, checked first as `launch` checks it, with the warnings a worker's environment
     filters filtered here too. For short jobs that build no real model (the streaming conversions) where
-    `runtime.can_host_world_of_one()`; everything else, and everything with a timeout, is a worker.
+    `runtime.can_host_world_of_one()`; everything else, and everything with a timeout, is a worker. (The worker
+    module is imported here, by the launcher, as torchrun would run it: a recipe never imports a worker.)
     """
+    import importlib
+
+    run = importlib.import_module(job.WORKER).run
     with runtime.world_of_one() as device, warnings.catch_warnings():
         for message in benign_warnings(device):
             warnings.filterwarnings("ignore", message=re.escape(message))
