@@ -190,7 +190,7 @@ def test_empty_and_malformed_prompt_files(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: not valid JSON"):
         generate.read_prompts(bad)
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected an object"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2 has neither \"prompt\" nor \"messages\""):
         generate.read_prompts(bad)
     text = tmp_path / "p.txt"
     text.write_text("one\n\ntwo\n")
