@@ -31,9 +31,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from pai_cookbook.core import checkpoint, families, hf_mapping, inputs, layout, nodes, tokenizer
+from pai_cookbook.core import checkpoint, cli, families, hf_mapping, inputs, layout, nodes, tokenizer
 from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig
-from pai_cookbook.core.worker import Job
+from pai_cookbook.core.job import Job
 
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed on load
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -316,18 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--overwrite", action="store_true")
     opts = parser.parse_args(argv)
-    try:
-        if opts.direction == "hf2mcore":
-            parallel = ParallelConfig(tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
-                                      expert_model_parallel_size=opts.ep)
-            result = hf_to_megatron(opts.src, opts.out, parallel=parallel, overwrite=opts.overwrite)
-        else:
-            result = megatron_to_hf(opts.src, opts.out, overwrite=opts.overwrite)
-    except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as err:
-        print(f"pai_cookbook.convert: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=2))
-    return 0
+
+    def work() -> dict[str, Any]:
+        if opts.direction == "mcore2hf":
+            return megatron_to_hf(opts.src, opts.out, overwrite=opts.overwrite)
+        parallel = ParallelConfig(tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
+                                  expert_model_parallel_size=opts.ep)
+        return hf_to_megatron(opts.src, opts.out, parallel=parallel, overwrite=opts.overwrite)
+    return cli.finish("pai_cookbook.convert", work)
 
 
 if __name__ == "__main__":

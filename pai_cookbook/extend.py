@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pai_cookbook.core import checkpoint, inputs, nodes, tokenizer, vocabulary
+from pai_cookbook.core import checkpoint, cli, inputs, nodes, tokenizer, vocabulary
 from pai_cookbook.core.config import ConfigError
-from pai_cookbook.core.worker import Job
+from pai_cookbook.core.job import Job
 
 INITS = ("mean", "hf_mean", "random")
 """New rows: mean of the sub-token rows; transformers' `resize_token_embeddings(mean_resizing=True)`
@@ -445,17 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     grow_cmd.add_argument("--init", choices=INITS, default="mean")
     grow_cmd.add_argument("--overwrite", action="store_true")
     opts = parser.parse_args(argv)
-    try:
-        if opts.command == "tokenizer":
-            texts = [text for path in opts.corpus for text in data.read_documents(path)]
-            result = extend_tokenizer(opts.base, texts, opts.out, opts.new_tokens, overwrite=opts.overwrite).summary()
-        else:
-            result = grow(opts.ckpt, opts.tokenizer, opts.out, init=opts.init, overwrite=opts.overwrite)
-    except (ConfigError, FileNotFoundError, FileExistsError, PermissionError, data.DataError) as err:
-        print(f"pai_cookbook.extend: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=2, ensure_ascii=False))
-    return 0
+
+    def work() -> dict[str, Any]:
+        if opts.command == "grow":
+            return grow(opts.ckpt, opts.tokenizer, opts.out, init=opts.init, overwrite=opts.overwrite)
+        texts = [text for path in opts.corpus for text in data.read_documents(path)]
+        return extend_tokenizer(opts.base, texts, opts.out, opts.new_tokens, overwrite=opts.overwrite).summary()
+    return cli.finish("pai_cookbook.extend", work)
 
 
 if __name__ == "__main__":

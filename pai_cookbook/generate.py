@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pai_cookbook.core import checkpoint, inputs, layout, runtime
+from pai_cookbook.core import checkpoint, cli, inputs, layout, runtime
 from pai_cookbook.core.checkpoint import load_tokenizer
 from pai_cookbook.core.config import ConfigError, ParallelConfig
+from pai_cookbook.core.job import Job
 from pai_cookbook.core.tokenizer import encode, eos_ids
-from pai_cookbook.core.worker import Job
 from pai_cookbook.data import read_prompts
 
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
@@ -328,8 +328,6 @@ def generate_file(ckpt: str | Path, input_path: str | Path, output_path: str | P
 # --------------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: exit 0 on success, 2 on bad input (nothing started), 1 on a worker failure."""
-    from pai_cookbook.core.launch import WorkerError
-
     p = argparse.ArgumentParser(prog="python -m pai_cookbook.generate", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", help="cookbook checkpoint folder, or a training save_dir (latest iteration)")
     p.add_argument("--input", required=True, help=".jsonl with prompt/messages per line, or one prompt per line")
@@ -349,26 +347,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             kind = {"max_sequence_length": int, "dtype": str}.get(name, type(value))
             p.add_argument(flag, type=kind, default=value)
     opts = vars(p.parse_args(argv))
-    try:
+
+    def work() -> dict[str, Any]:
         config = GenerationConfig(**{k: opts[k] for k in asdict(defaults)})
         parallel = ParallelConfig(tensor_model_parallel_size=opts["tp"], pipeline_model_parallel_size=opts["pp"])
-        result = generate_file(opts["ckpt"], opts["input"], opts["output"], config, parallel=parallel,
-                               nproc_per_node=opts["nproc_per_node"], run_dir=opts["run_dir"], show_progress=True)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"pai_cookbook.generate: {err}", file=sys.stderr)
-        return 2
-    except WorkerError as err:
-        print(f"pai_cookbook.generate: {err}", file=sys.stderr)
-        return 1
+        return generate_file(opts["ckpt"], opts["input"], opts["output"], config, parallel=parallel,
+                             nproc_per_node=opts["nproc_per_node"], run_dir=opts["run_dir"], show_progress=True)
+
+    def report(result: dict[str, Any]) -> None:
+        print(f"{len(result['records'])} completions -> {opts['output']}; {result['generated_tokens']} tokens at "
+              f"{result['tokens_per_s']:.1f} tokens/s ({runtime.detect_device().name})")
+    try:
+        return cli.finish("pai_cookbook.generate", work, report)
     except NotSaved as err:  # the last place the completions can go is this process's standard output
         print(f"pai_cookbook.generate: {err.strerror}; they follow on standard output, one JSON record a line",
               file=sys.stderr)
         for record in err.result["records"]:
             print(json.dumps(record, ensure_ascii=False))
         return 1
-    print(f"{len(result['records'])} completions -> {opts['output']}; {result['generated_tokens']} tokens at "
-          f"{result['tokens_per_s']:.1f} tokens/s ({runtime.detect_device().name})")
-    return 0
 
 
 if __name__ == "__main__":

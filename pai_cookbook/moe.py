@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +23,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from pai_cookbook.core import checkpoint, layout, nodes
+from pai_cookbook.core import checkpoint, cli, layout, nodes
 from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
-from pai_cookbook.core.worker import Job
+from pai_cookbook.core.job import Job
 
 AUX_LOSS_NAMES = {"load_balancing_loss": "aux_loss", "seq_load_balancing_loss": "seq_aux_loss",
                   "global_load_balancing_loss": "global_aux_loss", "z_loss": "z_loss"}
@@ -240,14 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer-freq", type=int, default=1, help="every n-th layer becomes MoE")
     parser.add_argument("--overwrite", action="store_true")
     opts = parser.parse_args(argv)
-    try:
-        result = upcycle(opts.dense_ckpt, opts.out, num_experts=opts.experts, topk=opts.topk,
-                         overwrite=opts.overwrite, moe_aux_loss_coeff=opts.aux_loss, moe_layer_freq=opts.layer_freq)
-    except (ConfigError, FileNotFoundError, FileExistsError) as err:
-        print(f"pai_cookbook.moe: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=2))
-    return 0
+    return cli.finish("pai_cookbook.moe", lambda: upcycle(
+        opts.dense_ckpt, opts.out, num_experts=opts.experts, topk=opts.topk, overwrite=opts.overwrite,
+        moe_aux_loss_coeff=opts.aux_loss, moe_layer_freq=opts.layer_freq))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ import torch
 
 from pai_cookbook.core import checkpoint, layout, runtime
 from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
+from pai_cookbook.core.job import Job
 from pai_cookbook.core.tokenizer import TOKENIZER_CORPUS
-from pai_cookbook.core.worker import Job
 
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 32
 

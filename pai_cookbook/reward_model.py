@@ -28,16 +28,14 @@ from typing import Any, ClassVar
 
 from pai_cookbook.core import checkpoint, inputs, layout, runtime, tokenizer
 from pai_cookbook.core.config import (
-    CheckpointConfig,
     ConfigError,
     DataConfig,
     OptimizerConfig,
     ParallelConfig,
-    PrecisionConfig,
     RunConfig,
 )
 from pai_cookbook.core.inputs import prompt_text
-from pai_cookbook.core.worker import Job
+from pai_cookbook.core.job import Job
 
 
 @dataclass(kw_only=True)
@@ -159,15 +157,14 @@ def prepare(base: str | Path, pairs: Sequence[dict[str, Any]], config: RewardMod
     if longest > model.max_position_embeddings:
         raise ConfigError(f"a pair encodes to {longest} tokens, over the model's {model.max_position_embeddings} "
                           f"positions; shorten it.")
-    run = RunConfig(
-        model=model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]),
+    from pai_cookbook import train as training
+
+    run = training.continuing(
+        base, parallel=parallel, save_dir=save_dir, overwrite=overwrite, train_iters=config.steps, seed=config.seed,
         optimizer=OptimizerConfig(lr=config.lr, min_lr=config.lr / 10, lr_warmup_iters=config.warmup_steps,
                                   weight_decay=config.weight_decay, clip_grad=config.clip_grad),
         data=DataConfig(seq_length=longest, micro_batch_size=config.micro_batch_size,
-                        global_batch_size=config.global_batch_size),
-        checkpoint=CheckpointConfig(load_dir=str(base), save_dir=str(save_dir) if save_dir else None,
-                                    overwrite=overwrite, resume=not overwrite),
-        train_iters=config.steps, seed=config.seed)
+                        global_batch_size=config.global_batch_size))
     return RewardModelJob(run=run, rm=config, train_pairs=encoded, valid_pairs=encoded_valid, pad_id=eos[0],
                           train_margins=[float(p.get("margin", 0.0)) for p in pairs],
                           valid_margins=[float(p.get("margin", 0.0)) for p in valid or []])

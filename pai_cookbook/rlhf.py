@@ -39,17 +39,15 @@ from typing import Any, ClassVar, Literal
 
 from pai_cookbook.core import checkpoint, inputs, layout, runtime, tokenizer
 from pai_cookbook.core.config import (
-    CheckpointConfig,
     ConfigError,
     DataConfig,
     OptimizerConfig,
     ParallelConfig,
-    PrecisionConfig,
     RunConfig,
 )
 from pai_cookbook.core.inputs import prompt_text
+from pai_cookbook.core.job import Job
 from pai_cookbook.core.model_config import ModelConfig
-from pai_cookbook.core.worker import Job
 from pai_cookbook.rl import KL_ESTIMATORS, RLError
 
 Reward = Callable[[str, dict[str, Any]], float]
@@ -309,7 +307,7 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
             parallel: ParallelConfig | None = None, save_dir: str | Path | None = None,
             overwrite: bool = False) -> RLJob:
     """Check everything about a GRPO or PPO run (`config` decides) and tokenize its prompts; no worker starts."""
-    from pai_cookbook import generate
+    from pai_cookbook import generate, train
 
     reward = str(reward)
     policy = generate.resolve_checkpoint(policy)
@@ -349,24 +347,16 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
     scalar_heads = [reward_model_config] if reward_model_config else []  # models with a scalar head
     data = DataConfig(seq_length=width + config.max_new_tokens, micro_batch_size=config.micro_batch_size,
                       global_batch_size=config.rows)
-    run = RunConfig(
-        model=model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]),
-        optimizer=_optimizer(config, config.lr), data=data,
-        checkpoint=CheckpointConfig(load_dir=str(policy), save_dir=str(save_dir) if save_dir else None,
-                                    save_interval=config.saves_every, overwrite=overwrite, resume=not overwrite),
-        train_iters=config.steps, seed=config.seed)
+    steps = {"train_iters": config.steps, "seed": config.seed, "parallel": parallel, "data": data,
+             "save_interval": config.saves_every, "overwrite": overwrite}
+    run = train.continuing(policy, optimizer=_optimizer(config, config.lr), save_dir=save_dir, **steps)
     critic_run = None
     if isinstance(config, PPOConfig):
         start = generate.resolve_checkpoint(critic, language_model=False) if critic else reward_model or policy
         _same_tokenizer(policy, start, "critic")
-        critic_model, critic_dtype = checkpoint.read_config(start)
-        scalar_heads.append(critic_model)
-        critic_run = RunConfig(
-            model=critic_model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[critic_dtype]),
-            optimizer=_optimizer(config, config.critic_lr or config.lr), data=data,
-            checkpoint=CheckpointConfig(load_dir=str(start), save_dir=str(Path(save_dir) / CRITIC) if save_dir else None,
-                                        save_interval=config.saves_every, overwrite=overwrite, resume=not overwrite),
-            train_iters=config.steps, seed=config.seed)
+        critic_run = train.continuing(start, optimizer=_optimizer(config, config.critic_lr or config.lr),
+                                      save_dir=Path(save_dir) / CRITIC if save_dir else None, **steps)
+        scalar_heads.append(critic_run.model)
     elif critic:
         raise ConfigError("a critic is PPO's (GRPO's baseline is the group mean); pass a PPOConfig, or drop critic.")
     if parallel.sequence_parallel and scalar_heads:

@@ -34,10 +34,18 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pai_cookbook import data, sft
-from pai_cookbook.core import checkpoint, layout, lock, nodes, runtime
+from pai_cookbook.core import checkpoint, cli, layout, lock, nodes, runtime
 from pai_cookbook.core import launch as launcher
-from pai_cookbook.core.config import ConfigError, RunConfig
-from pai_cookbook.core.worker import Job
+from pai_cookbook.core.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+)
+from pai_cookbook.core.job import Job
 
 
 @nodes.node0_only
@@ -132,6 +140,19 @@ _TRAINING_ONLY = {"hidden_dropout", "attention_dropout", "init_method_std", "moe
                   "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity"}
 
 
+
+
+def continuing(start: str | Path, *, optimizer: OptimizerConfig, data: DataConfig, train_iters: int, seed: int,
+               parallel: ParallelConfig, save_dir: str | Path | None, save_interval: int = 0,
+               overwrite: bool = False) -> RunConfig:
+    """The run that trains on from the checkpoint `start` (SFT's, a reward model's, GRPO/PPO's policy and critic): its
+    model and precision are the checkpoint's own; a re-run into `save_dir` resumes unless `overwrite`."""
+    model, dtype = checkpoint.read_config(start)
+    return RunConfig(model=model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]),
+                     optimizer=optimizer, data=data, train_iters=train_iters, seed=seed,
+                     checkpoint=CheckpointConfig(load_dir=str(start), save_dir=str(save_dir) if save_dir else None,
+                                                 save_interval=save_interval, overwrite=overwrite,
+                                                 resume=not overwrite))
 
 
 def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/train",
@@ -274,18 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/train"))
     parser.add_argument("--timeout-s", type=float)
     opts = parser.parse_args(argv)
-    try:
-        result = run(RunConfig.load(opts.config), nproc_per_node=opts.nproc_per_node, run_dir=opts.run_dir,
-                     timeout_s=opts.timeout_s, show_progress=False)
-    except (ConfigError, data.DataError, FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"pai_cookbook.train: bad configuration: {err}", file=sys.stderr)
-        return 2
-    except (launcher.WorkerError, TimeoutError) as err:
-        print(f"pai_cookbook.train: {err}", file=sys.stderr)
-        return 1
-    result.pop("events", None)
-    print(json.dumps(result, indent=2))
-    return 0
+    return cli.finish("pai_cookbook.train", lambda: run(RunConfig.load(opts.config), nproc_per_node=opts.nproc_per_node,
+                                                         run_dir=opts.run_dir, timeout_s=opts.timeout_s,
+                                                         show_progress=False))
 
 
 if __name__ == "__main__":

@@ -70,12 +70,11 @@ def test_layers_a_machine_cannot_build_are_refused(is_cuda, te, asked, message):
 
 
 def test_the_record_names_what_each_path_adds():
-    from pai_cookbook import cpu
 
     device = runtime.detect_device()
     assert device.layers == runtime.CPU_LAYERS  # this machine's default (no CUDA), unless the environment says
     record = runtime.layer_record(device)
-    assert record["cpu_converters"] == sorted(cpu.CONVERTERS) and "fused_cpu_adam" in record["cpu_converters"]
+    assert record["cpu_converters"] == sorted(runtime.CPU_CONVERTERS) and "fused_cpu_adam" in record["cpu_converters"]
     te = runtime.DeviceInfo(is_cuda=True, name="NVIDIA H100 80GB HBM3", count=1, compute_capability=(9, 0),
                             backend="nccl", has_transformer_engine=True, has_flash_attn=False,
                             layers=runtime.TE_LAYERS)

@@ -159,7 +159,7 @@ def test_cli_exit_codes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pai_cookbook.train", "--config",
                           str(tmp_path / "bad.json"), "--nproc-per-node", "3", "--run-dir", str(tmp_path / "r")],
                          capture_output=True, text=True)
-    assert out.returncode == 2 and "bad configuration" in out.stderr
+    assert out.returncode == 2 and "bad input" in out.stderr
     tiny_run().save(tmp_path / "ok.json")
     ok = subprocess.run([sys.executable, "-m", "pai_cookbook.train", "--config", str(tmp_path / "ok.json"),
                          "--run-dir", str(tmp_path / "ok")], capture_output=True, text=True)

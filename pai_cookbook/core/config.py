@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from pai_cookbook.core import layout
-from pai_cookbook.core.model_config import ConfigError, ModelConfig, _positive, _require
-from pai_cookbook.core.worker import Job
+from pai_cookbook.core.job import Job
+from pai_cookbook.core.layout import ParallelConfig
+from pai_cookbook.core.model_config import ConfigError, ModelConfig, positive, require
 
 __all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "FP8Config", "MemoryConfig", "ModelConfig", "OptimizerConfig",
            "ParallelConfig", "PrecisionConfig", "RunConfig", "with_token_budget"]
@@ -29,59 +29,6 @@ FP8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
 # Ada (sm_89) and Hopper (sm_90) are the first architectures with FP8 tensor cores; MXFP8 needs Blackwell.
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 MXFP8_MIN_COMPUTE_CAPABILITY = (10, 0)
-
-
-@dataclass(kw_only=True)
-class ParallelConfig:
-    """How the model is split over processes. Data parallelism is what is left of the world size."""
-
-    tensor_model_parallel_size: int = 1
-    """TP: each layer's matrices split over this many ranks (within a node: it all-reduces per layer)."""
-    pipeline_model_parallel_size: int = 1
-    """PP: layers split into this many consecutive stages."""
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Interleaved schedule: model chunks per pipeline rank (needs PP > 1); None disables it."""
-    expert_model_parallel_size: int = 1
-    """EP: routed experts split over this many ranks."""
-    expert_tensor_parallel_size: int | None = None
-    """Expert TP; None means the same as tensor_model_parallel_size."""
-    sequence_parallel: bool = False
-    """Split layer norms and dropout along the sequence over the TP group (needs TP > 1)."""
-
-    def __post_init__(self) -> None:
-        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
-                  "expert_tensor_parallel_size")
-        _require(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
-                 "sequence_parallel=True needs tensor_model_parallel_size > 1 (it splits activations over "
-                 "the TP group); set sequence_parallel=False or raise TP.")
-        _require(self.virtual_pipeline_model_parallel_size is None or self.pipeline_model_parallel_size > 1,
-                 f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs "
-                 f"pipeline_model_parallel_size > 1, got {self.pipeline_model_parallel_size}; "
-                 f"set it to None or raise PP.")
-        # Measured on megatron-core 0.16.1: with EP=1 and expert-TP != TP the expert gradients are
-        # all-reduced across different expert shards, so they are silently wrong.
-        _require(self.expert_model_parallel_size > 1 or self.expert_tp == self.tensor_model_parallel_size,
-                 f"expert_tensor_parallel_size {self.expert_tp} != tensor_model_parallel_size "
-                 f"{self.tensor_model_parallel_size} with expert_model_parallel_size 1 gives wrong expert "
-                 f"gradients in Megatron-Core; use expert_model_parallel_size > 1 or set "
-                 f"expert_tensor_parallel_size equal to TP.")
-
-    @property
-    def expert_tp(self) -> int:
-        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """DP = world_size / (TP x PP); raises if it does not divide."""
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        _require(world_size % (tp * pp) == 0,
-                 f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "
-                 f"use a number of processes that is a multiple of {tp * pp}.")
-        return world_size // (tp * pp)
 
 
 MAX_AMAX_HISTORY = 8192
@@ -120,25 +67,25 @@ class FP8Config:
     (core/fp8.py: FP8 rounding and range by quantize/dequantize, GEMMs in fp32; labelled so in every report)."""
 
     def __post_init__(self) -> None:
-        _require(self.recipe in typing.get_args(FP8Recipe),
+        require(self.recipe in typing.get_args(FP8Recipe),
                  f"fp8 recipe {self.recipe!r} is not one of {typing.get_args(FP8Recipe)}.")
-        _require(self.format in ("hybrid", "e4m3"), f"fp8 format {self.format!r} is not 'hybrid' or 'e4m3'.")
-        _require(self.amax_compute_algo in ("max", "most_recent"),
+        require(self.format in ("hybrid", "e4m3"), f"fp8 format {self.format!r} is not 'hybrid' or 'e4m3'.")
+        require(self.amax_compute_algo in ("max", "most_recent"),
                  f"amax_compute_algo {self.amax_compute_algo!r} is not 'max' or 'most_recent'.")
-        _require(self.backend in ("auto", "te", "emulated"), f"fp8 backend {self.backend!r} is not auto, te or emulated.")
-        _positive(self, "amax_history_len")
+        require(self.backend in ("auto", "te", "emulated"), f"fp8 backend {self.backend!r} is not auto, te or emulated.")
+        positive(self, "amax_history_len")
         # the history is one float per step for every FP8 operand of every linear layer, kept on the device
         mib = self.amax_history_len * 4 / 2**20
-        _require(self.amax_history_len <= MAX_AMAX_HISTORY,
+        require(self.amax_history_len <= MAX_AMAX_HISTORY,
                  f"amax_history_len {self.amax_history_len} keeps that many floats per FP8 operand (~{mib:,.0f} MiB "
                  f"each); use at most {MAX_AMAX_HISTORY} (Transformer Engine's default is 1024).")
-        _require(0 <= self.margin <= MAX_FP8_MARGIN,
+        require(0 <= self.margin <= MAX_FP8_MARGIN,
                  f"margin {self.margin} must lie in [0, {MAX_FP8_MARGIN}]: the scale is divided by 2**margin, which "
                  f"overflows beyond that (typical margins are 0 to 2).")
-        _require(self.num_layers_at_start_in_bf16 >= 0 and self.num_layers_at_end_in_bf16 >= 0,
+        require(self.num_layers_at_start_in_bf16 >= 0 and self.num_layers_at_end_in_bf16 >= 0,
                  f"num_layers_at_start_in_bf16 {self.num_layers_at_start_in_bf16} and num_layers_at_end_in_bf16 "
                  f"{self.num_layers_at_end_in_bf16} count layers kept in bf16; they must be >= 0.")
-        _require(not (self.first_last_layers_bf16 and self.recipe == "delayed"),
+        require(not (self.first_last_layers_bf16 and self.recipe == "delayed"),
                  "first_last_layers_bf16 cannot be combined with delayed scaling (Megatron-Core refuses it too); "
                  "use recipe='tensorwise' or 'blockwise', or first_last_layers_bf16=False.")
 
@@ -147,17 +94,17 @@ class FP8Config:
         cap = device.compute_capability or (0, 0)
         te_ok = device.is_cuda and device.has_transformer_engine and cap >= FP8_MIN_COMPUTE_CAPABILITY
         if self.recipe == "mxfp8":
-            _require(device.is_cuda and device.has_transformer_engine and cap >= MXFP8_MIN_COMPUTE_CAPABILITY,
+            require(device.is_cuda and device.has_transformer_engine and cap >= MXFP8_MIN_COMPUTE_CAPABILITY,
                      f"recipe='mxfp8' needs Blackwell (compute capability >= 10.0) with Transformer Engine; found "
                      f"{device.name}; the emulated backend covers delayed, tensorwise and blockwise.")
             return "te"
         if self.backend == "te" or (self.backend == "auto" and te_ok):
-            _require(te_ok, f"backend='te' needs Transformer Engine on a GPU of compute capability >= 8.9 (Ada, Hopper); "
+            require(te_ok, f"backend='te' needs Transformer Engine on a GPU of compute capability >= 8.9 (Ada, Hopper); "
                             f"found {device.name}" + ("" if not device.is_cuda or device.has_transformer_engine else
                                                       " without Transformer Engine (pip install -e '.[gpu]')") +
                      "; use backend='emulated' (FP8 numerics emulated, GEMMs in fp32) or 'auto'.")
             return "te"
-        _require(self.wgrad, "wgrad=False (a higher-precision weight-gradient GEMM) needs backend='te'; the emulated "
+        require(self.wgrad, "wgrad=False (a higher-precision weight-gradient GEMM) needs backend='te'; the emulated "
                              "backend quantizes every GEMM of the linear layer; set wgrad=True.")
         return "emulated"
 
@@ -172,12 +119,12 @@ class PrecisionConfig:
     """FP8 GEMMs (FP8Config); None disables FP8."""
 
     def __post_init__(self) -> None:
-        _require(self.dtype in typing.get_args(DType),
+        require(self.dtype in typing.get_args(DType),
                  f"dtype {self.dtype!r} is not one of {typing.get_args(DType)}.")
-        _require(self.fp8 is None or isinstance(self.fp8, FP8Config),
+        require(self.fp8 is None or isinstance(self.fp8, FP8Config),
                  f"fp8 must be an FP8Config (e.g. FP8Config(recipe='delayed')) or None, got {self.fp8!r}.")
         # bf16 is the usual partner; fp32 isolates FP8's own effect (no bf16 rounding elsewhere): both run
-        _require(self.fp8 is None or self.dtype in ("bf16", "fp32"),
+        require(self.fp8 is None or self.dtype in ("bf16", "fp32"),
                  f"fp8 runs the non-GEMM parts in bf16 (or fp32); set dtype='bf16' (got {self.dtype!r}).")
 
 
@@ -197,10 +144,10 @@ class MemoryConfig:
     """With 'selective': which submodules' activations are recomputed (core_attn is the cheap classic)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "recompute_num_layers")
+        positive(self, "recompute_num_layers")
         known = typing.get_args(RecomputeModule)
         bad = [m for m in self.recompute_modules if m not in known]
-        _require(not bad, f"recompute_modules {bad} are not among {known}.")
+        require(not bad, f"recompute_modules {bad} are not among {known}.")
 
 
 @dataclass(kw_only=True)
@@ -224,10 +171,10 @@ class OptimizerConfig:
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "lr")
-        _require(0 <= self.min_lr <= self.lr,
+        positive(self, "lr")
+        require(0 <= self.min_lr <= self.lr,
                  f"min_lr {self.min_lr} must lie in [0, lr={self.lr}]; the schedule decays from lr to min_lr.")
-        _require(self.lr_warmup_iters >= 0, f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}.")
+        require(self.lr_warmup_iters >= 0, f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}.")
 
 
 @dataclass(kw_only=True)
@@ -258,19 +205,19 @@ class DataConfig:
     """Train, validation and test percentages of every dataset."""
 
     def __post_init__(self) -> None:
-        _positive(self, "seq_length", "micro_batch_size", "global_batch_size")
-        _require(self.source != "indexed" or self.paths,
+        positive(self, "seq_length", "micro_batch_size", "global_batch_size")
+        require(self.source != "indexed" or self.paths,
                  "source='indexed' needs paths: the dataset prefixes written by data.prepare(...).")
-        _require(self.source != "sft" or len(self.paths) == 1,
+        require(self.source != "sft" or len(self.paths) == 1,
                  f"source='sft' needs paths=[one folder written by sft.prepare(...)], got {self.paths}.")
-        _require(self.loss_average in ("token", "sample"),
+        require(self.loss_average in ("token", "sample"),
                  f"loss_average={self.loss_average!r}; use 'token' or 'sample'.")
-        _require(self.weights is None or len(self.weights) == len(self.paths),
+        require(self.weights is None or len(self.weights) == len(self.paths),
                  f"weights has {len(self.weights or [])} entries for {len(self.paths)} paths; give one per path.")
         parts = self.split.split(",")
-        _require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
+        require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
                  f"split {self.split!r} must be three comma-separated numbers: train,valid,test (e.g. '98,2,0').")
-        _require(sum(float(p) for p in parts) > 0,
+        require(sum(float(p) for p in parts) > 0,
                  f"split {self.split!r} gives every part weight 0; give positive weights such as '98,2,0'.")
 
 
@@ -292,8 +239,8 @@ class CheckpointConfig:
     """With resume=False: delete what save_dir holds and start over, instead of refusing."""
 
     def __post_init__(self) -> None:
-        _require(self.save_interval >= 0, f"save_interval must be >= 0, got {self.save_interval}.")
-        _positive(self, "keep_last")
+        require(self.save_interval >= 0, f"save_interval must be >= 0, got {self.save_interval}.")
+        positive(self, "keep_last")
 
 
 @dataclass(kw_only=True)
@@ -323,21 +270,21 @@ class RunConfig(Job):
     """Global batches of the validation split per evaluation."""
 
     def __post_init__(self) -> None:
-        _positive(self, "train_iters", "log_interval", "eval_iters")
-        _require(self.optimizer.lr_warmup_iters < self.train_iters,
+        positive(self, "train_iters", "log_interval", "eval_iters")
+        require(self.optimizer.lr_warmup_iters < self.train_iters,
                  f"lr_warmup_iters {self.optimizer.lr_warmup_iters} must be below train_iters {self.train_iters} "
                  f"(the cosine decay runs from the end of warmup to the last step); shorten the warmup.")
-        _require(self.memory.recompute_granularity != "full" or
+        require(self.memory.recompute_granularity != "full" or
                  self.model.num_layers % self.memory.recompute_num_layers == 0 or
                  self.memory.recompute_method == "block",
                  f"uniform full recompute groups layers by recompute_num_layers "
                  f"{self.memory.recompute_num_layers}, which does not divide num_layers {self.model.num_layers}.")
         window = self.model.sliding_window
-        _require(window is None or self.data.seq_length <= window,
+        require(window is None or self.data.seq_length <= window,
                  f"seq_length {self.data.seq_length} exceeds the model's sliding_window {window}; Megatron-Core's "
                  f"local attention is full attention, equal to sliding-window attention only up to the window. "
                  f"Use seq_length <= {window}.")
-        _require(self.data.seq_length <= self.model.max_position_embeddings,
+        require(self.data.seq_length <= self.model.max_position_embeddings,
                  f"seq_length {self.data.seq_length} exceeds the model's max_position_embeddings "
                  f"{self.model.max_position_embeddings}; shorten seq_length.")
 
@@ -355,29 +302,29 @@ class RunConfig(Job):
         pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
         dp = layout.check(self.model, p, world_size, purpose="train", device=device)
         micro_x_dp = self.data.micro_batch_size * dp
-        _require(self.data.global_batch_size % micro_x_dp == 0,
+        require(self.data.global_batch_size % micro_x_dp == 0,
                  f"global_batch_size {self.data.global_batch_size} is not divisible by micro_batch_size x DP = "
                  f"{self.data.micro_batch_size} x {dp} = {micro_x_dp}; use a multiple of {micro_x_dp}.")
         if vpp is not None:
             micro_batches = self.data.global_batch_size // micro_x_dp
-            _require(micro_batches % pp == 0,
+            require(micro_batches % pp == 0,
                      f"the interleaved schedule needs micro-batches per step ({micro_batches}) divisible by "
                      f"PP={pp}; raise global_batch_size to a multiple of {micro_x_dp * pp}.")
         if device is not None:
             if self.precision.fp8 is not None:
                 self.precision.fp8.resolve_backend(device)
-            _require(self.precision.dtype != "fp16" or device.is_cuda,
+            require(self.precision.dtype != "fp16" or device.is_cuda,
                      "dtype='fp16' needs a GPU (CPU kernels lack half-precision GEMMs); use 'bf16' or 'fp32'.")
             # packed SFT rows on the TE spec are THD sequences, which TE attends in bf16/fp16 only (its
             # unfused fp32 attention takes no THD input)
-            _require(not (self.data.source == "sft" and device.is_cuda and device.has_transformer_engine
+            require(not (self.data.source == "sft" and device.is_cuda and device.has_transformer_engine
                           and self.precision.dtype == "fp32"),
                      "SFT rows on a GPU with Transformer Engine go through its packed-sequence (THD) attention, "
                      "which has no fp32 kernel; use PrecisionConfig(dtype='bf16').")
         fp8 = self.precision.fp8
         if fp8 is not None and fp8.first_last_layers_bf16:
             kept = fp8.num_layers_at_start_in_bf16 + fp8.num_layers_at_end_in_bf16
-            _require(kept < self.model.num_layers,
+            require(kept < self.model.num_layers,
                      f"first_last_layers_bf16 keeps {kept} of the model's {self.model.num_layers} layers in BF16: none "
                      f"would run in FP8; lower num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16.")
 
@@ -391,44 +338,8 @@ def with_token_budget(config: RunConfig, train_tokens: int, warmup_tokens: int =
     E.g. 1e9 train tokens at 256 x 4096 = 1,048,576 tokens per step -> 954 steps (rounded up).
     """
     per_step = config.data.global_batch_size * config.data.seq_length
-    _require(train_tokens >= per_step, f"train_tokens {train_tokens} is less than one step of {per_step} tokens "
+    require(train_tokens >= per_step, f"train_tokens {train_tokens} is less than one step of {per_step} tokens "
                                        f"(global_batch_size x seq_length); raise it or shrink the batch.")
-    _require(0 <= warmup_tokens <= train_tokens, f"warmup_tokens {warmup_tokens} must lie in [0, train_tokens].")
+    require(0 <= warmup_tokens <= train_tokens, f"warmup_tokens {warmup_tokens} must lie in [0, train_tokens].")
     optimizer = dataclasses.replace(config.optimizer, lr_warmup_iters=round(warmup_tokens / per_step))
     return dataclasses.replace(config, train_iters=math.ceil(train_tokens / per_step), optimizer=optimizer)
-
-
-def _check_type(owner: str, name: str, hint: Any, value: Any) -> Any:
-    """Rebuild one field from JSON: nested dataclasses (also in lists and optionals); scalars type-checked."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
-        _require(isinstance(value, dict), f"{owner}.{name} must be an object of {hint.__name__} fields, got {value!r}.")
-        return from_dict(hint, value)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check_type(owner, name, inner[0], value) if len(inner) == 1 else value
-    if origin in (list, tuple) and args:
-        _require(isinstance(value, list), f"{owner}.{name} must be a list, got {value!r}.")
-        return [_check_type(owner, f"{name}[{i}]", args[0], v) for i, v in enumerate(value)]
-    if hint in (int, float, str, bool):
-        ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
-        ok = ok or (hint is float and isinstance(value, int) and not isinstance(value, bool))
-        _require(ok, f"{owner}.{name} must be {hint.__name__}, got {value!r} ({type(value).__name__}); "
-                     f"write it without quotes{' as a number' if hint in (int, float) else ''}.")
-    return value
-
-
-def from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Rebuild a (nested) config or job dataclass from `dataclasses.asdict` output.
-
-    Unknown keys and values of the wrong type are ConfigErrors naming the field, not tracebacks from
-    deep inside a worker.
-    """
-    _require(isinstance(data, dict), f"{cls.__name__} must be a JSON object of its fields, got {type(data).__name__}.")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = set(data) - names
-    _require(not unknown, f"{cls.__name__} has no field(s) {sorted(unknown)}; known: {sorted(names)}.")
-    return cls(**{key: _check_type(cls.__name__, key, hints[key], value) for key, value in data.items()})

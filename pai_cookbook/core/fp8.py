@@ -271,7 +271,7 @@ def emulated_linear(base: type) -> type:
 
 
 def emulated_linears() -> dict[type, type]:
-    """Megatron-Core's parallel linears -> their emulated-FP8 versions, for `core.layer_spec.swap_classes`. Embedding and
+    """Megatron-Core's parallel linears -> their emulated-FP8 versions, for `core.specs.swap_classes`. Embedding and
     output layer are not in a layer spec: they stay bf16."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 

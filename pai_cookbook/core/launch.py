@@ -1,6 +1,6 @@
 """Run a worker's job under torchrun from a notebook cell, a script or a cluster job.
 
-`launch(config, nproc_per_node=2)` (any `worker.Job`: a RunConfig, a ConvertJob, ...):
+`launch(config, nproc_per_node=2)` (any `Job`: a RunConfig, a ConvertJob, ...):
 - checks the job against the world size and the device (`job.check`) before any process starts;
 - writes it to run_dir/job.json and runs `python -m job.WORKER job.json` under torchrun, built as an
   argv list (never a shell string); a world of one process on one machine runs the worker directly with
@@ -36,6 +36,7 @@ from typing import Any
 import psutil
 
 from pai_cookbook.core import nodes, runtime, worker
+from pai_cookbook.core.job import Job
 
 LOG_TAIL_LINES = 40
 # Warnings every CPU worker would print, advising a CUDA setting; kept out of the notebook on the CPU path only.
@@ -85,7 +86,7 @@ def benign_warnings(device: runtime.DeviceInfo) -> tuple[str, ...]:
     return ALWAYS_BENIGN_WARNINGS + (() if device.is_cuda else CPU_BENIGN_WARNINGS)
 
 
-def run_here(job: worker.Job) -> dict[str, Any]:
+def run_here(job: Job) -> dict[str, Any]:
     """Run a one-process job in this process instead of a worker: its worker module's `run(job, device)` inside
     `runtime.world_of_one()`, checked first as `launch` checks it, with the warnings a worker's environment
     filters filtered here too. For short jobs that build no real model (the streaming conversions) where
@@ -347,13 +348,13 @@ class Terminated(BaseException):
         super().__init__(f"received {signal.Signals(signum).name}; every worker was terminated")
 
 
-def launch(job: worker.Job, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/latest",
+def launch(job: Job, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/latest",
            timeout_s: float | None = None, show_progress: bool = True, echo: bool = True,
            env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `job` under torchrun (a one-process world without it) and return rank 0's result.
 
     Args:
-        job: the worker's job (`worker.Job`); checked against the world size and device, then written
+        job: the worker's job (`Job`); checked against the world size and device, then written
             to run_dir/job.json, which the worker module `job.WORKER` reads.
         nproc_per_node: processes on this machine (GPUs per node on a GPU machine).
         run_dir: folder for job.json, result.json and logs/ (created; reused runs are overwritten).
@@ -383,7 +384,7 @@ def launch(job: worker.Job, *, nproc_per_node: int = 1, run_dir: str | Path = "r
 
 
 @nodes.node0_only
-def _on_node0(job: worker.Job, **kwargs: Any) -> dict[str, Any]:
+def _on_node0(job: Job, **kwargs: Any) -> dict[str, Any]:
     return _launch(job, runtime.local_launch_env(), **kwargs)
 
 
@@ -393,7 +394,7 @@ def _rank0_result(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _launch(job: worker.Job, launch_env: runtime.LaunchEnv, *, run_dir: str | Path, **kwargs: Any) -> dict[str, Any]:
+def _launch(job: Job, launch_env: runtime.LaunchEnv, *, run_dir: str | Path, **kwargs: Any) -> dict[str, Any]:
     from pai_cookbook.core import lock
 
     # two launches into one run folder would mix their files; node 0's launch holds it (a shared filesystem shows
@@ -435,7 +436,7 @@ def _death_signal() -> Callable[[], None] | None:
     return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
-def _launch_locked(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: int, run_dir: str | Path,
+def _launch_locked(job: Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: int, run_dir: str | Path,
                    timeout_s: float | None, show_progress: bool, echo: bool,
                    env: dict[str, str] | None) -> dict[str, Any]:
     device = runtime.detect_device()
@@ -463,7 +464,7 @@ def _launch_locked(job: worker.Job, launch_env: runtime.LaunchEnv, *, nproc_per_
     added = user_paths()
     if added:  # what the caller put on sys.path (a notebook's folder of reward functions) the workers import too
         child_env["PYTHONPATH"] = os.pathsep.join(added + [p for p in [child_env.get("PYTHONPATH")] if p])
-    if job.REPEATED_STEPS and device.cpu_converters:  # pai_cookbook.cpu.CONVERTERS["glibc_keep_freed_memory"]
+    if job.REPEATED_STEPS and device.cpu_converters:  # core.runtime.CPU_CONVERTERS["glibc_keep_freed_memory"]
         child_env.setdefault(GLIBC_TUNABLES_ENV, KEEP_FREED_MEMORY)
     # The workers' own tqdm bars (Megatron-Core's static engine draws one per generate call: a line per GRPO
     # step) would stream into the notebook as text; rank 0's progress events drive the launcher's bar instead.

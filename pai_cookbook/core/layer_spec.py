@@ -21,6 +21,7 @@ import torch
 from pai_cookbook.core import runtime
 from pai_cookbook.core.config import ModelConfig
 from pai_cookbook.core.runtime import DeviceInfo
+from pai_cookbook.core.specs import swap_classes
 
 
 def _seeded_layer_class():
@@ -94,35 +95,6 @@ def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | N
 
         cpu.convert_spec(spec, linears=not emulated_fp8)
     return spec
-
-
-def swap_classes(spec, swapped: dict[type, type]) -> None:
-    """Replace every module class in a layer or block spec (submodules and experts included) that is a key of
-    `swapped` with its value, in place."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    def walk(node, seen):
-        if id(node) in seen:
-            return
-        seen.add(id(node))
-        if isinstance(node, ModuleSpec):
-            if node.module in swapped:
-                node.module = swapped[node.module]
-            walk(node.submodules, seen)
-        elif isinstance(node, type):  # a class is a leaf (a dataclass *class* is not a submodules instance)
-            return
-        elif hasattr(node, "__dataclass_fields__"):
-            for name in node.__dataclass_fields__:
-                value = getattr(node, name)
-                if isinstance(value, type) and value in swapped:
-                    setattr(node, name, swapped[value])
-                else:
-                    walk(value, seen)
-        elif isinstance(node, (list, tuple)):
-            for item in node:
-                walk(item, seen)
-
-    walk(spec, set())
 
 
 def _layer_spec(model: ModelConfig, config, vp_stage: int | None, use_te: bool):

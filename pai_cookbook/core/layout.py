@@ -15,12 +15,64 @@ and what the job does with it:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from pai_cookbook.core.model_config import ConfigError, ModelConfig, _require
+from pai_cookbook.core.model_config import ConfigError, ModelConfig, positive, require
 
-if TYPE_CHECKING:  # config imports this module: the rules take a ParallelConfig, they do not build one
-    from pai_cookbook.core.config import ParallelConfig
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the model is split over processes. Data parallelism is what is left of the world size."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: each layer's matrices split over this many ranks (within a node: it all-reduces per layer)."""
+    pipeline_model_parallel_size: int = 1
+    """PP: layers split into this many consecutive stages."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Interleaved schedule: model chunks per pipeline rank (needs PP > 1); None disables it."""
+    expert_model_parallel_size: int = 1
+    """EP: routed experts split over this many ranks."""
+    expert_tensor_parallel_size: int | None = None
+    """Expert TP; None means the same as tensor_model_parallel_size."""
+    sequence_parallel: bool = False
+    """Split layer norms and dropout along the sequence over the TP group (needs TP > 1)."""
+
+    def __post_init__(self) -> None:
+        positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                  "expert_tensor_parallel_size")
+        require(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+                 "sequence_parallel=True needs tensor_model_parallel_size > 1 (it splits activations over "
+                 "the TP group); set sequence_parallel=False or raise TP.")
+        require(self.virtual_pipeline_model_parallel_size is None or self.pipeline_model_parallel_size > 1,
+                 f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs "
+                 f"pipeline_model_parallel_size > 1, got {self.pipeline_model_parallel_size}; "
+                 f"set it to None or raise PP.")
+        # Measured on megatron-core 0.16.1: with EP=1 and expert-TP != TP the expert gradients are
+        # all-reduced across different expert shards, so they are silently wrong.
+        require(self.expert_model_parallel_size > 1 or self.expert_tp == self.tensor_model_parallel_size,
+                 f"expert_tensor_parallel_size {self.expert_tp} != tensor_model_parallel_size "
+                 f"{self.tensor_model_parallel_size} with expert_model_parallel_size 1 gives wrong expert "
+                 f"gradients in Megatron-Core; use expert_model_parallel_size > 1 or set "
+                 f"expert_tensor_parallel_size equal to TP.")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world_size / (TP x PP); raises if it does not divide."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        require(world_size % (tp * pp) == 0,
+                 f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "
+                 f"use a number of processes that is a multiple of {tp * pp}.")
+        return world_size // (tp * pp)
+
 
 Purpose = Literal["train", "load", "infer"]
 PURPOSES = ("train", "load", "infer")
@@ -54,34 +106,34 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
     world = world_size(p) if world is None else world
     tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     dp = p.data_parallel_size(world)
-    _require(m.num_attention_heads % tp == 0,
+    require(m.num_attention_heads % tp == 0,
              f"num_attention_heads {m.num_attention_heads} is not divisible by TP={tp}: TP={tp} must divide the "
              f"{m.num_attention_heads} attention heads (each TP rank needs whole heads). Use TP in "
              f"{divisors(m.num_attention_heads)}.")
-    _require(m.query_groups % tp == 0,
+    require(m.query_groups % tp == 0,
              f"num_query_groups {m.query_groups} is not divisible by TP={tp}: TP={tp} must divide the "
              f"{m.query_groups} KV groups (each TP rank needs whole KV heads). Use TP in {divisors(m.query_groups)}.")
-    _require(m.ffn_hidden_size % tp == 0, f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP={tp}.")
+    require(m.ffn_hidden_size % tp == 0, f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP={tp}.")
     stages = pp * (vpp or 1)
     splitter = f"PP x VPP = {stages}" if vpp else f"PP={pp}"
-    _require(m.num_layers % stages == 0,
+    require(m.num_layers % stages == 0,
              f"num_layers {m.num_layers} is not divisible by PP x virtual PP = {pp} x {vpp or 1}: {splitter} must "
              f"divide the {m.num_layers} layers (each pipeline chunk needs the same number of layers). Use PP x VPP "
              f"in {divisors(m.num_layers)}.")
     if m.is_moe:
         ep, etp = p.expert_model_parallel_size, p.expert_tp
-        _require(m.num_experts % ep == 0,
+        require(m.num_experts % ep == 0,
                  f"num_experts {m.num_experts} is not divisible by EP={ep}; each EP rank holds "
                  f"num_experts / EP whole experts. Use EP in {divisors(m.num_experts)}.")
-        _require(world % (ep * etp * pp) == 0,
+        require(world % (ep * etp * pp) == 0,
                  f"world size {world} is not divisible by EP x expert-TP x PP = {ep} x {etp} x {pp}.")
-        _require(m.moe_token_dispatcher_type != "flex" or getattr(device, "is_cuda", True),
+        require(m.moe_token_dispatcher_type != "flex" or getattr(device, "is_cuda", True),
                  "moe_token_dispatcher_type='flex' needs DeepEP on GPUs; use 'alltoall' on this machine.")
-        _require(not (m.moe_grouped_gemm and device is not None and not device.is_cuda),
+        require(not (m.moe_grouped_gemm and device is not None and not device.is_cuda),
                  "moe_grouped_gemm=True needs CUDA (grouped_gemm or Transformer Engine); set it to None "
                  "to run experts as a per-expert loop on CPU.")
         # Megatron-Core's MoE layer raises this in the first training forward (inference is fine without SP).
-        _require(purpose != "train" or tp == 1 or p.sequence_parallel,
+        require(purpose != "train" or tp == 1 or p.sequence_parallel,
                  f"training an MoE model at TP={tp} needs sequence_parallel=True (each TP rank routes its own "
                  f"slice of the sequence).")
     elif p.expert_model_parallel_size > 1:
@@ -95,13 +147,13 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
 def _check_inference(p: ParallelConfig) -> None:
     """Layouts Megatron-Core's static inference runs: TP, PP, EP (not interleaved PP, SP, or TP with EP)."""
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
-    _require(p.virtual_pipeline_model_parallel_size is None,
+    require(p.virtual_pipeline_model_parallel_size is None,
              "virtual pipeline parallelism is not supported by Megatron-Core inference; set "
              "virtual_pipeline_model_parallel_size=None (the checkpoint loads at any layout).")
-    _require(not p.sequence_parallel, "sequence_parallel=True is not supported by Megatron-Core's static inference "
+    require(not p.sequence_parallel, "sequence_parallel=True is not supported by Megatron-Core's static inference "
                                       "for these models; set it to False (it saves activation memory in training, "
                                       "not in generation).")
-    _require(not (tp > 1 and ep > 1), f"TP={tp} with EP={ep}: Megatron-Core's static inference then needs "
+    require(not (tp > 1 and ep > 1), f"TP={tp} with EP={ep}: Megatron-Core's static inference then needs "
                                       f"sequence-parallel MoE layers; use TP or EP alone.")
 
 

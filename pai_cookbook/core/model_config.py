@@ -17,15 +17,15 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the value and the fix."""
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
-def _positive(obj: Any, *names: str) -> None:
+def positive(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        _require(value is None or value > 0, f"{type(obj).__name__}.{name} must be > 0, got {value}.")
+        require(value is None or value > 0, f"{type(obj).__name__}.{name} must be > 0, got {value}.")
 
 
 @dataclass(kw_only=True)
@@ -127,53 +127,53 @@ class ModelConfig:
     """Grouped GEMM for experts; None picks it on GPU and a per-expert loop on CPU."""
 
     def __post_init__(self) -> None:
-        _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+        positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                   "num_query_groups", "kv_channels", "vocab_size", "max_position_embeddings",
                   "rotary_base", "num_experts", "moe_router_topk", "sliding_window")
-        _require(isinstance(self.moe_layer_freq, list) or (isinstance(self.moe_layer_freq, int)
+        require(isinstance(self.moe_layer_freq, list) or (isinstance(self.moe_layer_freq, int)
                                                           and self.moe_layer_freq >= 1),
                  f"moe_layer_freq={self.moe_layer_freq!r} must be an int >= 1 (every n-th layer is MoE) or a list of "
                  f"one 0/1 flag per layer.")
-        _require(not isinstance(self.moe_layer_freq, list) or len(self.moe_layer_freq) == self.num_layers,
+        require(not isinstance(self.moe_layer_freq, list) or len(self.moe_layer_freq) == self.num_layers,
                  f"moe_layer_freq as a list needs one 0/1 flag per layer ({self.num_layers}), "
                  f"got {len(self.moe_layer_freq) if isinstance(self.moe_layer_freq, list) else 0}.")
-        _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+        require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
                  f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                  f"{self.num_attention_heads}; set kv_channels (head dim) explicitly or change one of them.")
-        _require(self.attention_backend in ("sdpa", "unfused"),
+        require(self.attention_backend in ("sdpa", "unfused"),
                  f"attention_backend {self.attention_backend!r}: one of 'sdpa' (PyTorch's fused attention) or "
                  f"'unfused' (Megatron-Core's DotProductAttention).")
         groups = self.query_groups
-        _require(self.num_attention_heads % groups == 0,
+        require(self.num_attention_heads % groups == 0,
                  f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
                  f"{groups}; grouped-query attention needs whole groups of query heads per KV head.")
-        _require(self.moe_aux_loss_coeff >= 0 and (self.moe_z_loss_coeff or 0) >= 0,
+        require(self.moe_aux_loss_coeff >= 0 and (self.moe_z_loss_coeff or 0) >= 0,
                  f"moe_aux_loss_coeff {self.moe_aux_loss_coeff} and moe_z_loss_coeff {self.moe_z_loss_coeff} must "
                  f"be >= 0 (a negative weight rewards imbalance); use 0 to switch a loss off.")
         if self.num_experts is not None:
-            _require(self.moe_router_topk <= self.num_experts,
+            require(self.moe_router_topk <= self.num_experts,
                      f"moe_router_topk {self.moe_router_topk} exceeds num_experts {self.num_experts}; "
                      f"a token cannot be routed to more experts than exist.")
-            _require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_router_topk == 1,
+            require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_router_topk == 1,
                      f"sinkhorn load balancing supports top-1 routing only, got moe_router_topk "
                      f"{self.moe_router_topk}; use aux_loss or set moe_router_topk=1.")
-            _require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_aux_loss_coeff == 0,
+            require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_aux_loss_coeff == 0,
                      f"sinkhorn balances by assignment and refuses an aux loss; set moe_aux_loss_coeff=0 "
                      f"(got {self.moe_aux_loss_coeff}).")
-            _require(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
+            require(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
                      "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' (the bias "
                      "shifts sigmoid scores); set the score function or disable the bias.")
             capacity = self.moe_expert_capacity_factor
-            _require(capacity is None or (capacity > 0 and self.moe_router_load_balancing_type != "sinkhorn"),
+            require(capacity is None or (capacity > 0 and self.moe_router_load_balancing_type != "sinkhorn"),
                      f"moe_expert_capacity_factor {capacity} must be > 0 (None: dropless) and works with the "
                      f"aux-loss balancing types, not sinkhorn ({self.moe_router_load_balancing_type!r}).")
-            _require(not self.moe_pad_expert_input_to_capacity or capacity is not None,
+            require(not self.moe_pad_expert_input_to_capacity or capacity is not None,
                      "moe_pad_expert_input_to_capacity=True pads to a capacity; set moe_expert_capacity_factor.")
         if self.position_embedding_type == "rope":
             # Rotary's slowest component turns once every 2*pi*base tokens: past that, distant
             # positions alias onto near ones and the model cannot tell them apart.
             longest_wavelength = 2 * math.pi * self.rotary_base
-            _require(self.max_position_embeddings <= longest_wavelength,
+            require(self.max_position_embeddings <= longest_wavelength,
                      f"max_position_embeddings {self.max_position_embeddings} exceeds rotary's longest "
                      f"wavelength 2*pi*rotary_base = {longest_wavelength:.0f} tokens (rotary_base "
                      f"{self.rotary_base:g}); raise rotary_base (Llama 3 uses 500000) or shorten the context.")

@@ -93,6 +93,24 @@ LOCAL_SWAPS = {
 """What the local path adds where Transformer Engine is absent: swaps that serve a GPU too."""
 
 
+CPU_CONVERTERS = {
+    "lean_layers": "cpu.lean_layer.LeanTransformerLayer: TransformerLayer's eval forward without the scaffolding of "
+                   "features that are off, where no gradient is recorded (bitwise)",
+    "lean_attention": "cpu.attention.LeanSelfAttention: Attention.forward likewise at TP=1 in eval (bitwise), and in "
+                      "training the rotary embedding applied right after the projection without extra copies (bitwise)",
+    "lean_linears": "cpu.linear.LeanColumnParallelLinear / LeanRowParallelLinear (the output layer too): one matmul "
+                    "where no gradient is recorded at TP=1 (bitwise)",
+    "swiglu_function": "cpu.glu.GatedMLP: SwiGLU as one autograd function, one gradient tensor for fc1 (bitwise)",
+    "onednn_decode_packing": "cpu.linear.packed_for_decoding: oneDNN's inner product on weights packed once while "
+                             "generating (logits within ~1e-6 relative, greedy tokens equal)",
+    "fused_cpu_adam": "cpu.adam.fuse_adam: torch's fused AdamW kernel on CPU parameters (last-bit differences)",
+    "glibc_keep_freed_memory": "core.launch.KEEP_FREED_MEMORY: glibc keeps freed memory for the next step in "
+                               "workers of repeated steps (no change to values)",
+}
+"""Every converter of `pai_cookbook.cpu` by name, with what it replaces; `layer_record` lists them in each run's record
+(named here, beside the swaps, so that the record needs no import of the CPU package)."""
+
+
 def choose_layers(is_cuda: bool, has_transformer_engine: bool, environ: Mapping[str, str] | None = None) -> str:
     """The one decision of which layers a run builds (see the module): Transformer Engine's spec on CUDA with TE,
     Megatron-Core's local spec on CUDA without it, the local spec plus `pai_cookbook.cpu`'s converters on a CPU;
@@ -120,13 +138,9 @@ def choose_layers(is_cuda: bool, has_transformer_engine: bool, environ: Mapping[
 
 def layer_record(device: DeviceInfo) -> dict[str, Any]:
     """What a run on `device` builds, for the environment report and every result and log: the layer path, the swaps
-    it adds to upstream's spec, and the CPU converters (`pai_cookbook.cpu.CONVERTERS`; none off the CPU path)."""
+    it adds to upstream's spec, and the CPU converters (`CPU_CONVERTERS`; none off the CPU path)."""
     swaps = dict(GPU_SWAPS) | (LOCAL_SWAPS if device.layers != TE_LAYERS else {})
-    converters: dict[str, str] = {}
-    if device.cpu_converters:
-        from pai_cookbook import cpu
-
-        converters = dict(cpu.CONVERTERS)
+    converters = CPU_CONVERTERS if device.cpu_converters else {}
     return {"layers": device.layers, "swaps": sorted(swaps), "cpu_converters": sorted(converters)}
 
 
@@ -174,7 +188,7 @@ class LaunchEnv:
     """True when a scheduler provided the rendezvous (MASTER_ADDR and friends)."""
 
     def world_size(self, nproc_per_node: int) -> int:
-        from pai_cookbook.core.config import ConfigError
+        from pai_cookbook.core.model_config import ConfigError
 
         if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
             raise ConfigError(f"nproc_per_node={nproc_per_node!r}; give the number of processes on each machine, "

@@ -16,7 +16,6 @@ Megatron-Core's parallel state and always tears both down.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -24,7 +23,9 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
+
+from pai_cookbook.core.job import Job
 
 RUN_DIR_ENV = "PAI_COOKBOOK_RUN_DIR"
 """Folder of the current launch: job, per-rank logs, result.json."""
@@ -35,57 +36,7 @@ JOB_FILE = "job.json"
 ERROR_DIR = "errors"
 """run_dir/errors/rank{N}.json: a failing rank's exception with a precise time, to find the first one."""
 
-J = TypeVar("J", bound="Job")
-
-
-class Job:
-    """Base of every worker's job: a `@dataclass(kw_only=True)` that travels to the workers as JSON.
-
-    A subclass names the module torchrun runs (`WORKER`) and may check itself against the world it
-    will run in (`check`), which `core.launch` calls before any process starts.
-    """
-
-    WORKER: ClassVar[str]
-    """Module (or .py path) whose `main` is `worker.entry(ThisJob)(...)`."""
-    SPANS_NODES: ClassVar[bool] = False
-    """True for jobs whose world grows with the nodes of a multi-node job (training); False for jobs of
-    a fixed world (conversion, parity, generation), which node 0 runs alone."""
-    REPEATED_STEPS: ClassVar[bool] = False
-    """True for jobs that run steps of the same shapes many times (training, RL, reward models): on a CPU the
-    launcher has glibc keep freed memory for the next step (`core.launch.KEEP_FREED_MEMORY`)."""
-
-    def check(self, world_size: int, device: Any) -> None:
-        """Raise ConfigError if this job cannot run on `world_size` processes of `device`."""
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls: type[J], text: str) -> J:
-        from pai_cookbook.core.config import from_dict
-
-        return from_dict(cls, json.loads(text))
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(self.to_json())
-        return path
-
-    @classmethod
-    def load(cls: type[J], path: str | Path) -> J:
-        from pai_cookbook.core.config import ConfigError
-
-        path = Path(path)
-        if path.is_dir():
-            raise ConfigError(f"{path} is a folder; give the {cls.__name__} JSON file (run.json) inside it.")
-        try:
-            text = path.read_text(encoding="utf-8")
-            return cls.from_json(text)
-        except FileNotFoundError:
-            raise ConfigError(f"{path} does not exist; write it with {cls.__name__}(...).save(path).") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"{path} is not valid JSON ({err}); write it with {cls.__name__}(...).save(path).") \
-                from None
+J = TypeVar("J", bound=Job)
 
 
 def rank() -> int:

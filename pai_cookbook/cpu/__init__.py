@@ -2,29 +2,13 @@
 
 Applied behind one decision (`core.runtime.choose_layers`: `DeviceInfo.cpu_converters`, a CPU's default), by
 `core.layer_spec` (`convert_spec`), `core.model` (`convert_output_layer`) and the workers (`packed_for_decoding`,
-`fuse_adam`), and listed by name in every run's record (`core.runtime.layer_record`). Nothing here is imported on
-a GPU or with `PAI_COOKBOOK_LAYERS=local`, which builds Megatron-Core's local spec as upstream ships it (with the
-swaps that serve a GPU too: `core.attention`). Each converter computes what Megatron-Core computes, bit for bit
-unless its entry says otherwise; docs/megatron-core-on-cpu.md has their measurements.
+`fuse_adam`), and listed by name in every run's record (`core.runtime.CPU_CONVERTERS`, `layer_record`). Nothing
+here is imported on a GPU or with `PAI_COOKBOOK_LAYERS=local`, which builds Megatron-Core's local spec as upstream
+ships it (with the swaps that serve a GPU too: `core.attention`). Each converter computes what Megatron-Core
+computes, bit for bit unless its entry says otherwise; docs/megatron-core-on-cpu.md has their measurements.
 """
 
 from __future__ import annotations
-
-CONVERTERS = {
-    "lean_layers": "cpu.lean_layer.LeanTransformerLayer: TransformerLayer's eval forward without the scaffolding of "
-                   "features that are off, where no gradient is recorded (bitwise)",
-    "lean_attention": "cpu.attention.LeanSelfAttention: Attention.forward likewise at TP=1 in eval (bitwise), and in "
-                      "training the rotary embedding applied right after the projection without extra copies (bitwise)",
-    "lean_linears": "cpu.linear.LeanColumnParallelLinear / LeanRowParallelLinear (the output layer too): one matmul "
-                    "where no gradient is recorded at TP=1 (bitwise)",
-    "swiglu_function": "cpu.glu.GatedMLP: SwiGLU as one autograd function, one gradient tensor for fc1 (bitwise)",
-    "onednn_decode_packing": "cpu.linear.packed_for_decoding: oneDNN's inner product on weights packed once while "
-                             "generating (logits within ~1e-6 relative, greedy tokens equal)",
-    "fused_cpu_adam": "cpu.adam.fuse_adam: torch's fused AdamW kernel on CPU parameters (last-bit differences)",
-    "glibc_keep_freed_memory": "core.launch.KEEP_FREED_MEMORY: glibc keeps freed memory for the next step in "
-                               "workers of repeated steps (no change to values)",
-}
-"""Every converter by name, with what it replaces; `core.runtime.layer_record` lists them in each run's record."""
 
 
 def convert_spec(spec, linears: bool = True) -> None:
@@ -33,7 +17,7 @@ def convert_spec(spec, linears: bool = True) -> None:
     (`lean_attention`) and, unless `linears` is False (emulated FP8 brings its own), the parallel linears
     (`lean_linears`)."""
     from pai_cookbook.core.attention import LeftPaddedSelfAttention
-    from pai_cookbook.core.layer_spec import swap_classes
+    from pai_cookbook.core.specs import swap_classes
     from pai_cookbook.cpu import linear
     from pai_cookbook.cpu.attention import LeanSelfAttention
     from pai_cookbook.cpu.lean_layer import lean_layer_class

@@ -1,4 +1,4 @@
-"""torch's fused AdamW kernel for Megatron-Core's Adam on CPU parameters (`cpu.CONVERTERS["fused_cpu_adam"]`)."""
+"""torch's fused AdamW kernel for Megatron-Core's Adam on CPU parameters (`core.runtime.CPU_CONVERTERS["fused_cpu_adam"]`)."""
 
 from __future__ import annotations
 

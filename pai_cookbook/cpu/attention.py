@@ -1,4 +1,4 @@
-"""The CPU path's self-attention (`cpu.CONVERTERS["lean_attention"]`): the local path's `LeftPaddedSelfAttention`
+"""The CPU path's self-attention (`core.runtime.CPU_CONVERTERS["lean_attention"]`): the local path's `LeftPaddedSelfAttention`
 with two shortcuts that compute the same values bit for bit.
 
 - Where no gradient is recorded on the local spec at TP=1 (generation, rollouts, scoring), the forward is

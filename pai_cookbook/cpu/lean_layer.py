@@ -19,7 +19,7 @@ Anything else (training, gradients on, TP > 1, sequence parallelism, packed sequ
 is Megatron-Core's forward, unchanged. Used by generation, RL rollouts, scoring and evaluation.
 
 `pai_cookbook.cpu.convert_spec` builds layers from `lean_layer_class` and self-attention as
-`cpu.attention.LeanSelfAttention`, which calls `attention_forward` here, on the CPU path only (`cpu.CONVERTERS`).
+`cpu.attention.LeanSelfAttention`, which calls `attention_forward` here, on the CPU path only (`core.runtime.CPU_CONVERTERS`).
 """
 
 from __future__ import annotations

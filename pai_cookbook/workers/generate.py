@@ -216,7 +216,7 @@ def left_pads(device: runtime.DeviceInfo) -> bool:
 
 def decoding_weights(engine, rows: int) -> contextlib.AbstractContextManager[int]:
     """Around a job's (or a rollout's) generation: oneDNN's packed weights on the CPU path
-    (`cpu.CONVERTERS["onednn_decode_packing"]`), nothing on the others. Yields how many weights were packed."""
+    (`core.runtime.CPU_CONVERTERS["onednn_decode_packing"]`), nothing on the others. Yields how many weights were packed."""
     if not engine.controller.device_info.cpu_converters:
         return contextlib.nullcontext(0)
     from pai_cookbook.cpu import linear

@@ -18,10 +18,11 @@ from typing import ClassVar
 import torch.distributed as dist
 
 from pai_cookbook.core import worker
+from pai_cookbook.core.job import Job
 
 
 @dataclass(kw_only=True)
-class ProbeJob(worker.Job):
+class ProbeJob(Job):
     WORKER: ClassVar[str] = __file__
 
     mode: str

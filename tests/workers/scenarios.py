@@ -31,15 +31,30 @@ The compatibility layer is applied by runtime.init_distributed; PAI_COOKBOOK_COM
 patch out, which is how tests/test_compat.py shows each patch is needed.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from pai_cookbook.core import runtime, worker
 from pai_cookbook.core.config import RunConfig
+from pai_cookbook.core.job import Job
 from pai_cookbook.core.model import build_model
+from pai_cookbook.core.model_config import ConfigError
 from pai_cookbook.workers.train import train
+
+SCENARIOS: dict[str, tuple[Callable[..., dict], str]] = {"train": (train, "config, device")}
+"""Every scenario by name (a test names it in `Scenario(scenario=...)`), with what it takes: "config", "config,
+device", "layouts, device", or "layouts" (each of `Scenario.layouts` in its own parallel state)."""
+
+
+def scenario(takes: str) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
+    """Register a scenario under its function's name."""
+    def register(function: Callable[..., dict]) -> Callable[..., dict]:
+        SCENARIOS[function.__name__] = (function, takes)
+        return function
+    return register
 
 
 def _gather(t: torch.Tensor) -> list[list[float]]:
@@ -48,6 +63,7 @@ def _gather(t: torch.Tensor) -> list[list[float]]:
     return [o.tolist() for o in out]
 
 
+@scenario("config")
 def rng(config: RunConfig) -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
@@ -62,6 +78,7 @@ def rng(config: RunConfig) -> dict:
     return {"draws": draws}
 
 
+@scenario("config, device")
 def param_counts(config: RunConfig, device) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -79,6 +96,7 @@ def param_counts(config: RunConfig, device) -> dict:
     return {"params": int(total.item()), "padded_vocab_size": padded}
 
 
+@scenario("config, device")
 def module_types(config: RunConfig, device) -> dict:
     import sys
 
@@ -100,6 +118,7 @@ def _random_packed(config: RunConfig, generator: torch.Generator, lengths: list[
     return samples, rows, sft.batch(samples, rows, config.data.seq_length, pad_id=0)
 
 
+@scenario("config, device")
 def packed_logits(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
     from pai_cookbook.workers.train import model_forward, uses_te_attention
@@ -128,6 +147,7 @@ def packed_logits(config: RunConfig, device) -> dict:
             "max_abs_diff_without_boundaries": diffs["unmasked"]}
 
 
+@scenario("config, device")
 def attention(config: RunConfig, device) -> dict:
     import dataclasses
 
@@ -155,6 +175,7 @@ def attention(config: RunConfig, device) -> dict:
             "core_attention": [fused["core_attention"], unfused["core_attention"]]}
 
 
+@scenario("layouts, device")
 def training_ops(configs: list[RunConfig], device) -> dict:
     import megatron.core.transformer.attention as megatron_attention
 
@@ -197,6 +218,7 @@ def training_ops(configs: list[RunConfig], device) -> dict:
     return {"runs": out}
 
 
+@scenario("config, device")
 def token_losses(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
     from pai_cookbook.core import checkpoint
@@ -214,6 +236,7 @@ def token_losses(config: RunConfig, device) -> dict:
     return {"rows": picked.tolist(), "losses": losses.float().tolist()}
 
 
+@scenario("config, device")
 def fp8_scales(config: RunConfig, device) -> dict:
     from pai_cookbook.workers.train import _forward_backward, _restore, build, micro_batches
 
@@ -237,6 +260,7 @@ def fp8_scales(config: RunConfig, device) -> dict:
     return {"scales": scales}
 
 
+@scenario("layouts")
 def grads(configs: list[RunConfig]) -> dict:
     from pai_cookbook import sft
     from pai_cookbook.workers.train import _forward_backward, _global_mean_loss, build, micro_batches
@@ -251,6 +275,7 @@ def grads(configs: list[RunConfig]) -> dict:
     return {"runs": out}
 
 
+@scenario("layouts")
 def adam(configs: list[RunConfig]) -> dict:
     from pai_cookbook.core.checkpoint import chained_optimizers
     from pai_cookbook.workers.train import _restore, build, save_if_due, train_step
@@ -291,13 +316,14 @@ def adam(configs: list[RunConfig]) -> dict:
     return {"runs": out}
 
 
+@scenario("layouts")
 def layouts(configs: list[RunConfig]) -> dict:
     devices = runtime.each_layout((c.parallel, c.seed) for c in configs)
     return {"runs": [train(config, device) for config, device in zip(configs, devices)]}
 
 
 @dataclass(kw_only=True)
-class Scenario(worker.Job):
+class Scenario(Job):
     WORKER: ClassVar[str] = __file__
 
     config: RunConfig
@@ -305,34 +331,21 @@ class Scenario(worker.Job):
     layouts: list[RunConfig] = field(default_factory=list)
 
     def check(self, world_size: int, device) -> None:
+        if self.scenario not in SCENARIOS:
+            raise ConfigError(f"no scenario {self.scenario!r}; the scenarios are {sorted(SCENARIOS)}.")
         for config in [self.config] + self.layouts:
             config.validate(world_size, device)
 
 
 @worker.entry(Scenario)
 def main(job: Scenario) -> dict:
-    config = job.config
-    if job.scenario in ("layouts", "grads", "adam"):
+    function, takes = SCENARIOS[job.scenario]
+    if takes == "layouts":
         with worker.session():
-            return {"layouts": layouts, "grads": grads, "adam": adam}[job.scenario](job.layouts)
-    with worker.session(config.parallel, config.seed) as device:
-        if job.scenario == "rng":
-            return rng(config)
-        if job.scenario == "param_counts":
-            return param_counts(config, device)
-        if job.scenario == "module_types":
-            return module_types(config, device)
-        if job.scenario == "packed_logits":
-            return packed_logits(config, device)
-        if job.scenario == "attention":
-            return attention(config, device)
-        if job.scenario == "token_losses":
-            return token_losses(config, device)
-        if job.scenario == "fp8_scales":
-            return fp8_scales(config, device)
-        if job.scenario == "training_ops":
-            return training_ops(job.layouts, device)
-        return train(config, device)
+            return function(job.layouts)
+    with worker.session(job.config.parallel, job.config.seed) as device:
+        arguments: dict[str, Any] = {"config": job.config, "device": device, "layouts": job.layouts}
+        return function(*(arguments[name] for name in takes.split(", ")))
 
 
 if __name__ == "__main__":
