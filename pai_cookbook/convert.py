@@ -218,6 +218,10 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = False
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, run_dir: str | Path | None = None) -> dict[str, Any]:
     """Export a cookbook Megatron checkpoint to a Hugging Face folder (safetensors shards, config, tokenizer)."""
     checkpoint.read_config(ckpt)  # fails early on a folder that is not a cookbook checkpoint
+    if checkpoint.head(ckpt) == "reward":  # its padding token, before any tensor is converted
+        assets = Path(ckpt) / checkpoint.HF_ASSETS
+        hf = tokenizer.load(assets)
+        reward_padding(hf, set(tokenizer.eos_ids(assets, hf)))
     job = ConvertJob(direction="mcore2hf", src=str(Path(ckpt).resolve()), dst="", max_shard_bytes=max_shard_bytes)
     return _write(job, Path(out), overwrite, run_dir, None, finish=lambda partial: write_hf_config(Path(ckpt), partial))
 
@@ -250,16 +254,24 @@ def reward_hf_config(config, folder: Path) -> None:
 
 
 def reward_padding(hf, ends: set[int]) -> tuple[str, int]:
-    """The token an exported reward model pads with: anything but an end token will do (transformers scores a row
-    at its rightmost token that is not padding, and every sequence the cookbook scores ends with its end token).
-    The tokenizer's pad, unknown or begin token first, then another special token, then the first ordinary one
-    (a tokenizer whose only special token is its end, as some base models ship)."""
+    """The token an exported reward model pads with: a special token that is not an end token (transformers scores a
+    row at its rightmost token that is not padding, and every sequence the cookbook scores ends with its end token):
+    the tokenizer's pad, unknown or begin token first, then any other special token. An ordinary token will not do:
+    named as the pad token it becomes special, and text holding it would tokenize differently.
+
+    Raises:
+        ConfigError: a tokenizer whose only special tokens are end tokens (GPT-2's layout), before any work.
+    """
     named = [(hf.pad_token, hf.pad_token_id), (hf.unk_token, hf.unk_token_id), (hf.bos_token, hf.bos_token_id)]
     for text, i in [*named, *zip(hf.all_special_tokens, hf.all_special_ids)]:
         if text is not None and i is not None and i not in ends:
             return text, i
-    i = next(i for i in range(len(hf)) if i not in ends)
-    return hf.convert_ids_to_tokens(i), i
+    raise ConfigError(f"the reward model's tokenizer has no special token but its end token(s) {sorted(ends)}: an "
+                      f"exported ...ForSequenceClassification reads the score at the last token that is not padding, "
+                      f"so it needs a padding token other than the end. Give the base model's tokenizer one before "
+                      f"training the reward model (tokenizer.add_special_tokens({{'pad_token': '<|pad|>'}}), then "
+                      f"extend.grow the checkpoint to the new size); the Megatron-Core checkpoint itself scores as it "
+                      f"is (rlhf uses it directly).")
 
 
 def _write(job: ConvertJob, out: Path, overwrite: bool, run_dir: str | Path | None,

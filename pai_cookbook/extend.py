@@ -99,8 +99,6 @@ def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, ne
         raise ConfigError(f"base tokenizer folder {base_dir} does not exist; give the folder holding the model's "
                           f"tokenizer files (tokenizer.json or tokenizer.model).")
     kind = vocabulary.kind(base_dir)
-    if new_tokens < 1:
-        raise ConfigError(f"new_tokens must be >= 1, got {new_tokens}.")
     checkpoint.check_writable(out, overwrite)
     base = tokenizer.load(base_dir)
     with checkpoint.writing(out, overwrite) as partial:

@@ -256,7 +256,7 @@ def completions_markdown(records: Sequence[dict], reference: Sequence[str] | Non
     columns = ["prompt", "completion", "tokens", "finish"] + (["Hugging Face"] if reference else [])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for i, r in enumerate(records):
-        prompt = r["prompt"] if "prompt" in r else r["messages"][-1]["content"]  # a chat: its last turn
+        prompt = inputs.prompt_text(r)  # a chat: its last turn
         row = [cell(prompt), cell(r["completion"]), str(r["completion_tokens"]),
                r["finish_reason"]] + ([cell(reference[i])] if reference else [])
         lines.append("| " + " | ".join(row) + " |")

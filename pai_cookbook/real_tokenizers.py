@@ -265,7 +265,9 @@ def add_tokens_baseline(base_dir: str | Path, extended_dir: str | Path, out: str
     with quiet_transformers():
         added, extended = tokenizers.load(base_dir), tokenizers.load(extended_dir)
     first = extend.read_extension(extended_dir).first_new
-    strings = {extended.decode([i]).strip() for i in range(first, len(extended))} - {""}
+    # a byte-level token that holds part of a character decodes to U+FFFD, which no text can match: not added
+    strings = {text for text in (extended.decode([i]).strip() for i in range(first, len(extended)))
+               if text and "\ufffd" not in text}
     count = added.add_tokens(sorted(strings - set(added.get_vocab())))
     if out is not None:
         added.save_pretrained(out)

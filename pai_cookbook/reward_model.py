@@ -97,7 +97,7 @@ class RewardModelJob(Job):
                               f"would be scored; give at least {whole} (a multiple of {whole} scores them all).")
 
 
-def check_pairs(pairs: Sequence[dict[str, Any]], what: str = "pair") -> None:
+def check_pairs(pairs: Sequence[dict[str, Any]], what: str = "pair") -> list[dict[str, Any]]:
     """Refuse pairs a reward model cannot learn from, naming the pair: no prompt, an empty or missing
     completion, chosen equal to rejected (its loss is log 2 whatever the model does), a margin that is not a
     finite number."""
@@ -122,6 +122,7 @@ def check_pairs(pairs: Sequence[dict[str, Any]], what: str = "pair") -> None:
         margin = pair.get("margin", 0.0)
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
             raise ConfigError(f"{where}: margin {margin!r} must be a finite number.")
+    return pairs
 
 
 def encode_pair(hf, pair: dict[str, Any], eos: int, chat_template: str) -> list[list[int]]:
@@ -136,12 +137,12 @@ def prepare(base: str | Path, pairs: Sequence[dict[str, Any]], config: RewardMod
             save_dir: str | Path | None = None, overwrite: bool = False) -> RewardModelJob:
     """Check everything about a reward-model run and tokenize its pairs; no worker starts."""
     from pai_cookbook import generate
+    from pai_cookbook import train as training
 
     base = generate.resolve_checkpoint(base, language_model=False)  # a reward model may continue training
     model, dtype = checkpoint.read_config(base)
-    check_pairs(pairs)
-    if valid:
-        check_pairs(valid, "held-out pair")
+    pairs = check_pairs(pairs)
+    valid = check_pairs(valid, "held-out pair") if valid else []
     parallel = parallel or ParallelConfig()
     if parallel.sequence_parallel:
         raise ConfigError("sequence_parallel=True: the reward head reads whole hidden states on every "
@@ -157,8 +158,6 @@ def prepare(base: str | Path, pairs: Sequence[dict[str, Any]], config: RewardMod
     if longest > model.max_position_embeddings:
         raise ConfigError(f"a pair encodes to {longest} tokens, over the model's {model.max_position_embeddings} "
                           f"positions; shorten it.")
-    from pai_cookbook import train as training
-
     run = training.continuing(
         base, parallel=parallel, save_dir=save_dir, overwrite=overwrite, train_iters=config.steps, seed=config.seed,
         optimizer=OptimizerConfig(lr=config.lr, min_lr=config.lr / 10, lr_warmup_iters=config.warmup_steps,
@@ -195,7 +194,7 @@ def train(base: str | Path, pairs: Sequence[dict[str, Any]], config: RewardModel
 def length_baseline(pairs: Sequence[dict[str, Any]]) -> float:
     """Accuracy of the best reward that sees only length: "longer wins" or "shorter wins", whichever is
     right more often on `pairs` (ties count half). A reward model must beat it to have learned content."""
-    check_pairs(pairs)
+    pairs = check_pairs(pairs)
     longer = sum(0.5 if len(p["chosen"]) == len(p["rejected"]) else float(len(p["chosen"]) > len(p["rejected"]))
                  for p in pairs) / len(pairs)
     return max(longer, 1.0 - longer)

@@ -30,7 +30,6 @@ the steps finished. A reward model is a checkpoint `reward_model.train` wrote, w
 from __future__ import annotations
 
 import importlib
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -432,9 +431,28 @@ def _run(policy, prompts, reward, config: GRPOConfig, *, nproc_per_node: int, ru
     world = runtime.detect_launch_env().world_size(nproc_per_node)
     job.check(world, runtime.detect_device())
     with train.writing([job.run], run_dir):
+        _pair_critic(job)
         train.preflight(job.run, world)
         _check_resumed_reward(job)
         return launch.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+
+
+def _pair_critic(job: RLJob) -> None:
+    """PPO resumes its policy and its critic from one step: a damaged latest checkpoint of either is set aside, then
+    any step that only one of the two holds (a run stopped between the two saves) is set aside too, said once each."""
+    ckpt = job.run.checkpoint
+    if job.critic is None or not ckpt.save_dir or not ckpt.resume:
+        return
+    folders = [Path(ckpt.save_dir), Path(job.critic.checkpoint.save_dir)]
+    said = [line for folder in folders for line in checkpoint.set_damaged_aside(folder)]
+    steps = [{int(p.name[len(checkpoint.ITER_PREFIX):]) for p in checkpoint.finished_iterations(f)} for f in folders]
+    both = max(steps[0] & steps[1], default=0)
+    for folder, held in zip(folders, steps):
+        for step in sorted(s for s in held if s > both):
+            aside = checkpoint.set_aside(checkpoint.iteration_dir(folder, step), ".unpaired")
+            said.append(f"{folder.name}/{aside.name}: step {step} has no partner in the other model's folder")
+    for line in said:
+        print(f"ppo: {line}; policy and critic resume from step {both}.")
 
 
 def _check_resumed_reward(job: RLJob) -> None:
@@ -461,11 +479,7 @@ def evals(run_dir: str | Path) -> dict[str, list[Any]]:
     """Every held-out evaluation of a run (run_dir/evals.jsonl, across resumed launches): figure -> values
     ("step", "reward", "true_reward", "completion_length", and "completions": each one's prompt, text, rewards)."""
     path = Path(run_dir) / "evals.jsonl"
-    by_step = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        if line.strip():
-            record = json.loads(line)
-            by_step[record["step"]] = record  # a resumed run's repeat: the last
+    by_step = {r["step"]: r for r in (inputs.read_jsonl(path) if path.exists() else [])}  # a repeat: the last
     records = [by_step[step] for step in sorted(by_step)]
     return {key: [r.get(key) for r in records] for key in (records[0] if records else {})}
 
@@ -473,7 +487,7 @@ def evals(run_dir: str | Path) -> dict[str, list[Any]]:
 def read_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
     """The completions a run sampled, one record per completion: step, prompt index, group, tokens, reward."""
     path = Path(run_dir) / "rollouts.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return inputs.read_jsonl(path)
 
 
 def sampled_reward(ckpt: str | Path, prompts: Sequence[dict[str, Any]], reward: str, *, samples: int = 2,

@@ -719,7 +719,8 @@ def follows(records: Sequence[dict[str, Any]], pattern: str, answers: Sequence[s
     their turn (finish_reason "eos"), that match `pattern` in full, and that equal `answers` (if given)."""
     import re
 
-    n = len(inputs.listed(records, "records", "generated records (generate(...)['records'])"))
+    records = inputs.listed(records, "records", "generated records (generate(...)['records'])")
+    n = len(records)
     if n == 0:
         raise ValueError("no records to score; pass generate(...)['records'].")
     out = {"ends_turn": sum(r["finish_reason"] == "eos" for r in records) / n,

@@ -27,14 +27,13 @@ import json
 import re
 import shutil
 import sys
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pai_cookbook import data, sft
-from pai_cookbook.core import checkpoint, cli, layout, lock, nodes, runtime
+from pai_cookbook.core import checkpoint, cli, inputs, layout, lock, nodes, runtime
 from pai_cookbook.core import launch as launcher
 from pai_cookbook.core.config import (
     CheckpointConfig,
@@ -72,10 +71,13 @@ def preflight(config: RunConfig, world_size: int) -> None:
         return
     for unfinished in Path(ckpt.save_dir).glob(f"{checkpoint.ITER_PREFIX}*{checkpoint.PARTIAL_SUFFIX}"):
         shutil.rmtree(unfinished)  # a killed save's leftovers: never loadable, and they hold disk
-    if ckpt.resume:
-        for line in checkpoint.set_damaged_aside(ckpt.save_dir):
-            print(f"train: {line}; resuming from the last complete checkpoint.")
+    set_aside = checkpoint.set_damaged_aside(ckpt.save_dir) if ckpt.resume else []
     latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:]
+    for line in set_aside:
+        print(f"train: {line}; " + (f"resuming from {latest[0].name}." if latest else
+                                    "no complete checkpoint is left, so the run starts from its beginning."))
+    if set_aside and not latest:
+        return  # save_dir holds only what was set aside: the run starts over beside it
     if latest and ckpt.resume:
         saved, wanted = checkpoint.saved_layout(latest[0]) or {}, layout.record(config.parallel, world_size)
         if not layout.same_layout(saved, wanted):
@@ -145,7 +147,7 @@ _TRAINING_ONLY = {"hidden_dropout", "attention_dropout", "init_method_std", "moe
 def continuing(start: str | Path, *, optimizer: OptimizerConfig, data: DataConfig, train_iters: int, seed: int,
                parallel: ParallelConfig, save_dir: str | Path | None, save_interval: int = 0,
                overwrite: bool = False) -> RunConfig:
-    """The run that trains on from the checkpoint `start` (SFT's, a reward model's, GRPO/PPO's policy and critic): its
+    """The run that trains on from the checkpoint `start` (a reward model's, GRPO/PPO's policy and critic): its
     model and precision are the checkpoint's own; a re-run into `save_dir` resumes unless `overwrite`."""
     model, dtype = checkpoint.read_config(start)
     return RunConfig(model=model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]),
@@ -233,21 +235,7 @@ def logged_steps(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: no run has logged into {run_dir}.")
-    by_step = {}
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            if number == len(lines):  # a launch killed while writing its last record: the steps before it stand
-                warnings.warn(f"{path}:{number}: the last record is cut short (a killed launch); it is left out.",
-                              stacklevel=2)
-                continue
-            raise ValueError(f"{path}:{number} is not valid JSON ({err.msg}); the run's log is damaged. Remove that "
-                             f"line to read the rest.") from None
-        by_step[record["step"]] = record
+    by_step = {record["step"]: record for record in inputs.read_jsonl(path)}
     return [by_step[step] for step in sorted(by_step)]
 
 

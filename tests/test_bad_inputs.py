@@ -292,6 +292,13 @@ def test_a_metrics_log_whose_last_line_was_cut_by_a_kill_reads_the_steps_before_
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
     with pytest.warns(UserWarning, match=r"metrics.jsonl:3: the last record is cut short"):
         assert [r["step"] for r in train.logged_steps(tmp_path)] == [1, 2]
+    # resumed after the kill: the new launch appends from a line of its own, and every record reads
+    from pai_cookbook.core import worker
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    with worker.open_log(tmp_path / "metrics.jsonl", fresh=False) as log:
+        log.write('{"step": 3, "loss": 1.2}\n')
+    assert [r["step"] for r in train.logged_steps(tmp_path)] == [1, 2, 3]
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2, "loss": 1.5}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:1 is not valid JSON.*Remove that line"):
         train.logged_steps(tmp_path)

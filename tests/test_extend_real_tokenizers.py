@@ -46,3 +46,5 @@ def test_add_tokens_baseline_is_measured_for_every_tokenizer(rows):
     assert set(baseline) == {case.id for case in real_tokenizers.CASES}
     for row in baseline.values():
         assert row["added"] > 0 and row["zh_tokens_per_char_after"] <= row["zh_tokens_per_char_before"]
+        # every learned string holds a Chinese character here, so add_tokens changes no English and no round trip
+        assert row["english_changed"] == 0 and row["roundtrip_new_failures"] == 0, row

@@ -198,24 +198,28 @@ def test_sorting_pairs_differ_in_content_not_length():
     assert 400 < len(copied) < 600  # about half answer unsorted (fewer: some questions come sorted already)
 
 
-def test_a_tokenizer_whose_only_special_token_is_its_end_still_exports_a_reward_model(tmp_path):
-    """GPT-2's layout (begin, end and unknown all `<|endoftext|>`, no pad): the export pads with a token that is not
-    the end (an ordinary one), instead of failing after every tensor is converted; old text encodes as before."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+@pytest.mark.multiproc
+def test_a_tokenizer_whose_only_special_token_is_its_end_is_refused_before_the_export(trained, tmp_path):
+    """GPT-2's layout (begin, end and unknown all `<|endoftext|>`, no pad): no token can pad an exported
+    ...ForSequenceClassification (an ordinary one named the pad token would become special and change old text), so
+    the export is refused with the way through before any tensor is converted (it used to fail after all of them)."""
+    import shutil
 
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    result, _ = trained
+    ckpt = tmp_path / "rm"
+    shutil.copytree(result["checkpoint"], ckpt)
+    assets = ckpt / checkpoint.HF_ASSETS
+    for name in tokenizer.FILES:
+        (assets / name).unlink(missing_ok=True)
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     backend.train_from_iterator(["the reward model scores answers"] * 20, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     end = "<|endoftext|>"
-    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=end, eos_token=end, unk_token=end).save_pretrained(tmp_path)
-    before = tokenizer.load(tmp_path)
-    assert before.pad_token is None and before.all_special_tokens == [end]
-    text = "the reward model scores answers!"
-    config = LlamaConfig(architectures=["LlamaForCausalLM"])
-    convert.reward_hf_config(config, tmp_path)
-    after = tokenizer.load(tmp_path)
-    assert config.pad_token_id == after.pad_token_id != after.eos_token_id
-    assert after(text).input_ids == before(text).input_ids
-    assert config.architectures == ["LlamaForSequenceClassification"]
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=end, eos_token=end, unk_token=end).save_pretrained(assets)
+    with pytest.raises(ConfigError, match=r"no special token but its end token\(s\) \[\d+\].*add_special_tokens"):
+        convert.megatron_to_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not checkpoint.partial_dir(tmp_path / "hf").exists()

@@ -218,3 +218,37 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_l
     assert resumed["first_step"] == 2 and resumed["losses"] == first["losses"][2:]
     assert (tmp_path / "ckpt" / "iter_0000003.damaged" / victim.name).exists()
     assert checkpoint.damage(checkpoint.finished_iterations(tmp_path / "ckpt")[-1]) is None
+
+
+def test_a_resume_whose_only_checkpoint_is_damaged_starts_over_and_says_so(tmp_path, capsys):
+    first = train.run(_run(tmp_path / "ckpt", 1, checkpoint_keep=1), run_dir=tmp_path / "r1", **QUIET)
+    only = checkpoint.finished_iterations(tmp_path / "ckpt")[-1]
+    (only / ".metadata").write_bytes(b"")
+    capsys.readouterr()
+    again = train.run(_run(tmp_path / "ckpt", 1, checkpoint_keep=1), run_dir=tmp_path / "r2", **QUIET)
+    said = capsys.readouterr().out
+    assert "iter_0000001 is damaged (its metadata (.metadata) cannot be read" in said
+    assert "no complete checkpoint is left, so the run starts from its beginning" in said
+    assert again["first_step"] == 0 and again["losses"] == first["losses"]
+
+
+def test_ppo_policy_and_critic_resume_from_a_step_both_hold(tmp_path, monkeypatch, capsys):
+    """A run stopped between the policy's and the critic's save (or one of them damaged): the step only one holds is
+    set aside, so both resume from the same step instead of failing in the workers."""
+    from types import SimpleNamespace
+
+    from pai_cookbook import rlhf
+
+    monkeypatch.setattr(checkpoint, "damage", lambda ckpt: None)  # whole checkpoints: only their steps differ
+    policy, critic = tmp_path / "ppo", tmp_path / "ppo" / "critic"
+    for folder, steps in ((policy, (2, 3)), (critic, (2,))):
+        for step in steps:
+            checkpoint.iteration_dir(folder, step).mkdir(parents=True)
+            (checkpoint.iteration_dir(folder, step) / checkpoint.CONFIG_FILE).write_text("{}")
+    job = SimpleNamespace(run=SimpleNamespace(checkpoint=CheckpointConfig(save_dir=str(policy))),
+                          critic=SimpleNamespace(checkpoint=CheckpointConfig(save_dir=str(critic))))
+    rlhf._pair_critic(job)
+    assert [p.name for p in checkpoint.finished_iterations(policy)] == ["iter_0000002"]
+    assert (policy / "iter_0000003.unpaired").is_dir()
+    assert "step 3 has no partner in the other model's folder; policy and critic resume from step 2" in \
+        capsys.readouterr().out

@@ -266,11 +266,11 @@ def damage(ckpt: str | Path) -> str | None:
 
     ckpt = Path(ckpt)
     try:
-        metadata = FileSystemReader(str(ckpt)).read_metadata()
+        storage = FileSystemReader(str(ckpt)).read_metadata().storage_data.values()
     except Exception as err:  # noqa: BLE001 - any unreadable metadata is damage, named with its cause
         return f"its metadata (.metadata) cannot be read: {type(err).__name__}: {err}"
     needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
+    for info in storage:
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
         path = ckpt / name
@@ -289,13 +289,18 @@ def set_damaged_aside(save_dir: str | Path) -> list[str]:
         problem = damage(latest)
         if problem is None:
             break
-        aside = latest.with_name(latest.name + DAMAGED_SUFFIX)
-        n = 1
-        while aside.exists():
-            aside, n = latest.with_name(f"{latest.name}{DAMAGED_SUFFIX}{n}"), n + 1
-        latest.rename(aside)
+        aside = set_aside(latest, DAMAGED_SUFFIX)
         said.append(f"{latest.name} is damaged ({problem}): set aside as {aside.name}, kept for you to inspect")
     return said
+
+
+def set_aside(ckpt: Path, suffix: str) -> Path:
+    """Rename a checkpoint folder to `<name><suffix>` (numbered when taken): kept, never listed or loaded."""
+    aside, n = ckpt.with_name(ckpt.name + suffix), 1
+    while aside.exists():
+        aside, n = ckpt.with_name(f"{ckpt.name}{suffix}{n}"), n + 1
+    ckpt.rename(aside)
+    return aside
 
 
 def saved_layout(ckpt: str | Path) -> dict[str, int] | None:

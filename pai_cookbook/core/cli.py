@@ -1,6 +1,7 @@
 """How every `python -m pai_cookbook.<recipe>` command ends, in a batch job's terms: exit 0 with the result on
-standard output, 2 on bad input (refused before anything started: nothing to clean up, fix the input), 1 when a
-worker failed or a timeout ended it (the message names the failing rank and its log tail)."""
+standard output; 2 on bad input, refused with the fix before any worker started (or, for a conversion that runs in
+this process, by the conversion itself: a weight holding NaN), with nothing kept; 1 when a worker failed or a
+timeout ended it (the message names the failing rank and its log tail)."""
 
 from __future__ import annotations
 

@@ -13,12 +13,12 @@ gate), Qwen3-MoE (QK norm).
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pai_cookbook.core import inputs
 from pai_cookbook.core.config import ConfigError, ModelConfig
 
 # Megatron-Core's Llama 3 rotary scaling has these constants built in (rotary_pos_embedding._apply_scaling).
@@ -190,12 +190,7 @@ SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_atte
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        size = path.stat().st_size
-        raise ConfigError(f"{path} is not valid JSON ({size} bytes: {err}); it is truncated or damaged. Download it "
-                          f"again or restore it from the model's source.") from None
+    raw = inputs.read_json(path, fix="Download it again or restore it from the model's source.")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object of config keys; restore it.")
     return raw

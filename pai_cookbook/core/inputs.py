@@ -55,6 +55,30 @@ def read_json(path: str | Path, *, fix: str, what: str = "file", error: type[Exc
                     f"{fix}") from None
 
 
+def read_jsonl(path: str | Path, *, error: type[Exception] = ValueError) -> list[Any]:
+    """The records of a JSONL log a run writes (metrics, evaluations, rollouts). A last line cut short (a launch
+    killed while writing it) is left out with a warning: the records before it stand. Any other line that is not
+    JSON is refused, naming it."""
+    import warnings
+
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                warnings.warn(f"{path}:{number}: the last record is cut short (a killed launch); it is left out.",
+                              stacklevel=2)
+                continue
+            raise error(f"{path}:{number} is not valid JSON ({err.msg}); the run's log is damaged. Remove that line "
+                        f"to read the rest.") from None
+    return records
+
+
 def listed(value: Any, name: str, item: str, *, error: type[Exception] = ConfigError) -> list[Any]:
     """`value` as a list: a list, tuple or other iterable of items; a string, bytes, a dict or None is refused."""
     if isinstance(value, (str, bytes, Path)):
@@ -62,6 +86,9 @@ def listed(value: Any, name: str, item: str, *, error: type[Exception] = ConfigE
                     f"[{str(value)[:60]!r}].")
     if isinstance(value, dict):
         raise error(f"{name} must be a list of {item}; got one dict (keys {sorted(value)[:6]}): pass [that dict].")
+    if isinstance(value, (set, frozenset)):
+        raise error(f"{name} must be a list of {item}; got a set, whose order changes from one process to the next "
+                    f"(a resumed run would see another order): pass sorted(...) or a list.")
     if value is None or not isinstance(value, Iterable):
         raise error(f"{name} must be a list of {item}; got {value!r:.60}.")
     return list(value)
@@ -86,8 +113,11 @@ def number(value: Any, name: str, *, low: float, high: float, error: type[Except
     return float(value)
 
 
-def messages(value: Any, where: str, *, error: type[Exception] = ConfigError) -> list[dict[str, Any]]:
-    """A chat: a non-empty list of {"role": str, "content": str}."""
+def messages(value: Any, where: str, *, error: type[Exception] = ConfigError,
+             text_only: bool = True) -> list[dict[str, Any]]:
+    """A chat: a non-empty list of {"role": str, "content": str}. With `text_only` False (a prompt for a chat template)
+    a turn before the last may hold no text (None: an assistant turn that only calls a tool) or a list of parts; the
+    last, which the model answers and errors quote, is text."""
     if not isinstance(value, list) or not value:
         raise error(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}}; found {value!r:.60}.")
     for number_, turn in enumerate(value, start=1):
@@ -96,7 +126,9 @@ def messages(value: Any, where: str, *, error: type[Exception] = ConfigError) ->
         if not isinstance(turn.get("role"), str):
             raise error(f"{where}, message {number_} has no \"role\" (found {turn!r:.80}); give each message a role "
                         f"such as \"user\" or \"assistant\".")
-        if not isinstance(turn.get("content"), str):
+        content = turn.get("content")
+        if not isinstance(content, str) and (text_only or number_ == len(value) or
+                                             not (content is None or isinstance(content, list))):
             raise error(f"{where}, message {number_} needs a string \"content\"; found {turn!r:.80}.")
     return value
 
@@ -112,7 +144,7 @@ def prompt_record(value: Any, where: str, *, error: type[Exception] = ConfigErro
         if not isinstance(value["prompt"], str):
             raise error(f"{where}: \"prompt\" must be a string, found {value['prompt']!r:.60}.")
     elif "messages" in value:
-        messages(value["messages"], where, error=error)
+        messages(value["messages"], where, error=error, text_only=False)
     else:
         raise error(f"{where} has neither \"prompt\" nor \"messages\" (its keys: {sorted(value)[:8]}).")
     return dict(value)

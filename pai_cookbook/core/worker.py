@@ -39,6 +39,17 @@ ERROR_DIR = "errors"
 J = TypeVar("J", bound=Job)
 
 
+def open_log(path: Path, fresh: bool):
+    """A JSONL log opened for this launch: new when `fresh`, else appended to, after cutting back a last line that a
+    killed launch left unfinished (so the first record of this one starts a line of its own)."""
+    if not fresh and path.exists():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with path.open("r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+    return path.open("w" if fresh else "a")
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 

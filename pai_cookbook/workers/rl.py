@@ -452,7 +452,7 @@ def train(job: RLJob, device) -> dict[str, Any]:
     replay = _replay(g.rollouts)
     log = trainer.StepLog(config, device, fresh=first_step == 0)
     run_dir = os.environ.get(worker.RUN_DIR_ENV)
-    files = {name: (Path(run_dir) / f"{name}.jsonl").open("w" if first_step == 0 else "a")
+    files = {name: worker.open_log(Path(run_dir) / f"{name}.jsonl", first_step == 0)
              for name in ("rollouts", "evals")} if run_dir and worker.rank() == 0 else {}
     evals = []
 

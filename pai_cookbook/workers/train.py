@@ -282,7 +282,7 @@ class StepLog:
 
             # a run that starts at step 0 starts the log over; a resumed one continues it
             Path(run_dir).mkdir(parents=True, exist_ok=True)
-            self.jsonl = (Path(run_dir) / "metrics.jsonl").open("w" if fresh else "a")
+            self.jsonl = worker.open_log(Path(run_dir) / "metrics.jsonl", fresh)
             self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def throughput(self, seconds: float) -> dict[str, float]:
