@@ -221,7 +221,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = False
     if checkpoint.head(ckpt) == "reward":  # its padding token, before any tensor is converted
         assets = Path(ckpt) / checkpoint.HF_ASSETS
         hf = tokenizer.load(assets)
-        reward_padding(hf, set(tokenizer.eos_ids(assets, hf)))
+        reward_padding(hf, set(tokenizer.eos_ids(assets, hf)) | {hf.eos_token_id} - {None})
     job = ConvertJob(direction="mcore2hf", src=str(Path(ckpt).resolve()), dst="", max_shard_bytes=max_shard_bytes)
     return _write(job, Path(out), overwrite, run_dir, None, finish=lambda partial: write_hf_config(Path(ckpt), partial))
 
@@ -246,7 +246,7 @@ def reward_hf_config(config, folder: Path) -> None:
     config.architectures = [name.replace("ForCausalLM", "ForSequenceClassification") for name in config.architectures]
     config.num_labels, config.tie_word_embeddings = 1, False
     hf = tokenizer.load(folder)
-    text, pad = reward_padding(hf, set(tokenizer.eos_ids(folder, hf)))
+    text, pad = reward_padding(hf, set(tokenizer.eos_ids(folder, hf)) | {hf.eos_token_id} - {None})
     if pad != hf.pad_token_id:
         hf.pad_token = text
         hf.save_pretrained(folder)
