@@ -15,7 +15,7 @@ Its job is a `pai_cookbook.rlhf.RLJob` (PPO when its config is a PPOConfig). One
 4. Advantages. GRPO: each completion's reward against its group's. PPO: per-token rewards (-kl_coef x KL to
    the reference, plus the score on the last token), GAE over the critic's values, whitened over the batch.
 5. `epochs` optimizer steps on the clipped surrogate (+ kl_coef x KL for GRPO, whose KL is a loss), per token
-   over the whole batch (the training worker's `_per_token_scale`); PPO's critic takes a step on the clipped
+   over the whole batch (`workers.training.per_token_scale`); PPO's critic takes a step on the clipped
    value loss after each. PPO's adaptive controller then moves kl_coef.
 Per-token log-probabilities are Megatron-Core's own: the GPT model's per-token cross entropy with the labels
 (vocabulary-parallel at TP > 1), negated.
@@ -39,15 +39,15 @@ from pai_cookbook.core.tokenizer import MegatronView
 from pai_cookbook.generate import GenerationConfig
 from pai_cookbook.rl import RLError
 from pai_cookbook.rlhf import RLJob
-from pai_cookbook.workers import generate as engine_worker
-from pai_cookbook.workers import train as trainer
+from pai_cookbook.workers import engine as inference
+from pai_cookbook.workers import run_state, training
 
 _SEED_STRIDE = 1_000_003
 
 
 def step_prompts(job: RLJob, step: int) -> list[int]:
     """The prompt indices of step `step`: passes over the prompt set, each pass in an order seeded by (seed, pass)."""
-    return trainer.seeded_passes(len(job.prompt_ids), step, job.config.prompts_per_step, job.config.seed)
+    return run_state.seeded_passes(len(job.prompt_ids), step, job.config.prompts_per_step, job.config.seed)
 
 
 def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], group_size: int, seed: int,
@@ -64,8 +64,8 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
     ids = [prompt_ids[prompt] for prompt, _ in rows]
     controller.sampling_rng.manual_seed(seed)
     # On the CPU path, packed from the weights as they are now: the policy trains between two calls (cpu.linear).
-    with engine_worker.decoding_weights(engine, rows=len(ids)):
-        done = engine_worker.generate_batch(engine, ids, params, vocab_size=job.run.model.vocab_size,
+    with inference.decoding_weights(engine, rows=len(ids)):
+        done = inference.generate_batch(engine, ids, params, vocab_size=job.run.model.vocab_size,
                                             repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
                                             max_new_tokens=job.config.max_new_tokens, track_logprobs=True)
     out = []
@@ -73,7 +73,7 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
         tokens = request.generated_tokens.tolist()
         width = controller.prompt_lengths[row]  # the prompt, left-padded to the batch's longest where it is
         finish = controller.finish[row]
-        if finish == engine_worker.FINISH_EOS:  # the end token ends the row uncounted; the policy must learn it
+        if finish == inference.FINISH_EOS:  # the end token ends the row uncounted; the policy must learn it
             end = int(controller.tokens[row, width + len(tokens)])
             if end not in job.eos_ids:
                 raise RuntimeError(f"row {row} finished on an end token, but {end} is not one of {job.eos_ids}: "
@@ -112,7 +112,7 @@ def rewards(job: RLJob, reward_model, rollouts: list[dict[str, Any]], prompt_ids
         return _function_scores(job.reward, rollouts, records, hf_tokenizer)
     batches = micro_batches(job, rows(job, rollouts, prompt_ids))
     scores = _forward_only(reward_model, job, batches, _read_score)
-    return trainer.gather_rows(torch.cat(scores).tolist() if scores else None)
+    return training.gather_rows(torch.cat(scores).tolist() if scores else None)
 
 
 def _read_score(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,7 @@ def micro_batches(job: RLJob, batch: dict[str, torch.Tensor]) -> list[dict[str, 
 
 def _keep_forward(read, data_iterator, model):
     batch = next(data_iterator)
-    return trainer.model_forward(model, batch, labels=read is _read_logprobs), partial(_keep, read, batch)
+    return training.model_forward(model, batch, labels=read is _read_logprobs), partial(_keep, read, batch)
 
 
 def _keep(read, batch: dict[str, Any], output: torch.Tensor):
@@ -191,8 +191,8 @@ def _forward_only(model: list[torch.nn.Module], job: RLJob, batches: list[dict[s
             forward_step_func=partial(_keep_forward, read), data_iterator=iter(batches), model=model[0],
             num_microbatches=len(batches), seq_length=job.run.data.seq_length,
             micro_batch_size=job.config.micro_batch_size, decoder_seq_length=job.run.data.seq_length, forward_only=True)
-    for chunk, training in zip(model, modes):
-        chunk.train(training)
+    for chunk, mode in zip(model, modes):
+        chunk.train(mode)
     return [s["kept"].cpu() for s in stored]
 
 
@@ -203,7 +203,7 @@ def logprobs(model: list[torch.nn.Module], job: RLJob, batches: list[dict[str, t
 
 def _policy_forward(data_iterator, model):
     batch = next(data_iterator)
-    return trainer.model_forward(model, batch), partial(_policy_loss, batch)
+    return training.model_forward(model, batch), partial(_policy_loss, batch)
 
 
 def _policy_loss(batch: dict[str, Any], output: torch.Tensor):
@@ -221,7 +221,7 @@ def _policy_loss(batch: dict[str, Any], output: torch.Tensor):
 
 def _value_forward(data_iterator, model):
     batch = next(data_iterator)
-    return trainer.model_forward(model, batch, labels=False), partial(_value_loss, batch)
+    return training.model_forward(model, batch, labels=False), partial(_value_loss, batch)
 
 
 def _value_loss(batch: dict[str, Any], output: torch.Tensor):
@@ -259,20 +259,20 @@ def update(job: RLJob, model, optimizer, scheduler, batches: list[dict[str, Any]
     """`epochs` optimizer steps on the batch (and, with a critic, a critic step after each); per step the
     losses, their parts and the gradient norms."""
     g = job.config
-    scale = trainer._per_token_scale(batches)
+    scale = training.per_token_scale(batches)
     batches = [b | {"loss_scale": scale, "clip": g.clip, "kl_estimator": g.kl_estimator,
                     "kl_loss_coef": 0.0 if job.ppo is not None else g.kl_coef,  # PPO's KL is in the reward
                     "value_clip": getattr(g, "value_clip", 0.0)} for b in batches]
     figures = []
     for _ in range(g.epochs):
         stored, grad_norm = _optimizer_step(job, model, optimizer, scheduler, batches, _policy_forward)
-        total, surrogate, kl, clipped, count = trainer.global_sums(stored, "policy", 5).tolist()
+        total, surrogate, kl, clipped, count = training.global_sums(stored, "policy", 5).tolist()
         count = max(count, 1.0)
         figure = {"loss": total / count, "policy_loss": surrogate / count, "kl": kl / count,
                   "clip_fraction": clipped / count, "grad_norm": grad_norm}
         if critic is not None:
             stored, grad_norm = _optimizer_step(job, *critic, batches, _value_forward)
-            total, clipped, count = trainer.global_sums(stored, "value", 3).tolist()
+            total, clipped, count = training.global_sums(stored, "value", 3).tolist()
             count = max(count, 1.0)
             figure |= {"value_loss": total / count, "value_clip_fraction": clipped / count,
                        "critic_grad_norm": grad_norm}
@@ -300,7 +300,7 @@ def ppo_advantages(job: RLJob, batches: list[dict[str, Any]], kl_coef: float) ->
                                          torch.tensor(float(mask.shape[0])), returns.sum(), (returns ** 2).sum(),
                                          residual.sum(), (residual ** 2).sum()]).double()})
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-    a1, a2, count, kl, completions, r1, r2, e1, e2 = trainer.global_sums(sums if last_stage else [], "ppo", 9).tolist()
+    a1, a2, count, kl, completions, r1, r2, e1, e2 = training.global_sums(sums if last_stage else [], "ppo", 9).tolist()
     count = max(count, 1.0)
     if g.whiten_advantages:
         mean, variance = a1 / count, (a2 - a1 * a1 / count) / max(count - 1, 1.0)
@@ -364,7 +364,7 @@ def rl_step(job: RLJob, step: int, model, reference, optimizer, scheduler, engin
         "completion_length": sum(lengths) / len(lengths),
         # the policy's next-token entropy at each sampled token (nats), from the engine's logits
         "entropy": _mean([e for r in rollouts for e in r.get("entropy", [])]),
-        "ended": sum(r["finish"] == engine_worker.FINISH_EOS for r in rollouts) / len(rollouts),
+        "ended": sum(r["finish"] == inference.FINISH_EOS for r in rollouts) / len(rollouts),
         "rollout_seconds": sampled - start, "seconds": time.perf_counter() - start}
     if job.ppo is None:
         figures["zero_advantage_groups"] = _flat_groups(scores, [r["group"] for r in rollouts])
@@ -423,8 +423,8 @@ def _frozen(run, model_config, ckpt: str, device, head: str = "lm") -> list[torc
 
 def _critic(job: RLJob, device, first_step: int):
     """PPO's critic (model, optimizer, scheduler), restored to the policy's step."""
-    model, optimizer, scheduler = trainer.build(job.critic, device, head="reward")
-    step, source = trainer._restore(job.critic, model, optimizer, scheduler)
+    model, optimizer, scheduler = training.build(job.critic, device, head="reward")
+    step, source = run_state.restore(job.critic, model, optimizer, scheduler)
     if step != first_step:
         raise RuntimeError(f"the policy resumes at step {first_step} but its critic ({source}) at step {step}; "
                            f"a run stopped between the two saves. Remove {job.critic.checkpoint.save_dir}'s and the "
@@ -434,8 +434,8 @@ def _critic(job: RLJob, device, first_step: int):
 
 def train(job: RLJob, device) -> dict[str, Any]:
     config, g = job.run, job.config
-    model, optimizer, scheduler = trainer.build(config, device)
-    first_step, started_from = trainer._restore(config, model, optimizer, scheduler)
+    model, optimizer, scheduler = training.build(config, device)
+    first_step, started_from = run_state.restore(config, model, optimizer, scheduler)
     reference = _frozen(config, config.model, job.reference, device)
     reward_model = _frozen(config, job.reward_model_config, job.reward_model, device, head="reward") \
         if job.reward_model else None
@@ -445,12 +445,12 @@ def train(job: RLJob, device) -> dict[str, Any]:
         controller.coef = checkpoint.read_state(started_from).get("kl_coef", g.kl_coef)
     hf_tokenizer = checkpoint.load_tokenizer(config.checkpoint.load_dir)
     dtype = torch_dtype(config.precision)
-    engine = engine_worker.build_engine(
+    engine = inference.build_engine(
         model[0].module, config.model, MegatronView(hf_tokenizer, job.eos_ids),
         GenerationConfig(batch_size=max(g.rows, len(job.eval_ids) * g.eval_samples), max_new_tokens=g.max_new_tokens),
         config.data.seq_length, config.parallel, dtype, device)
     replay = _replay(g.rollouts)
-    log = trainer.StepLog(config, device, fresh=first_step == 0)
+    log = run_state.StepLog(config, device, fresh=first_step == 0)
     run_dir = os.environ.get(worker.RUN_DIR_ENV)
     files = {name: worker.open_log(Path(run_dir) / f"{name}.jsonl", first_step == 0)
              for name in ("rollouts", "evals")} if run_dir and worker.rank() == 0 else {}
@@ -477,10 +477,10 @@ def train(job: RLJob, device) -> dict[str, Any]:
         done = step + 1
         if controller is not None and g.kl_target is not None:
             controller.update(figures["kl_sequence"], g.rows)
-        saved = trainer.save_if_due(config, model, optimizer, scheduler, done,
+        saved = run_state.save_if_due(config, model, optimizer, scheduler, done,
                                     Path(ckpt.load_dir) / checkpoint.HF_ASSETS, **_saved_state(job, controller)) or saved
         if critic is not None:
-            trainer.save_if_due(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
+            run_state.save_if_due(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
         if done == g.steps or (g.eval_interval and done % g.eval_interval == 0):
             held_out(done)
         history.append(figures)
@@ -516,10 +516,10 @@ def _save_before_stopping(job: RLJob, done: int, model, optimizer, scheduler, cr
     if not ckpt.save_dir or done == 0:
         return "No step had finished; nothing was saved."
     if saved is None or Path(saved) != checkpoint.iteration_dir(ckpt.save_dir, done):
-        saved = trainer.save_now(config, model, optimizer, scheduler, done, Path(ckpt.load_dir) / checkpoint.HF_ASSETS,
+        saved = run_state.save_now(config, model, optimizer, scheduler, done, Path(ckpt.load_dir) / checkpoint.HF_ASSETS,
                                  **_saved_state(job, controller))
         if critic is not None:
-            trainer.save_now(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
+            run_state.save_now(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
     return f"The {done} steps finished are saved in {saved}; fix the reward and run the same call again to resume."
 
 
