@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pai_cookbook.core import checkpoint, cli, inputs, nodes, tokenizer, vocabulary
+from pai_cookbook.core import checkpoint, cli, inputs, nodes, spm, tokenizer, vocabulary
 from pai_cookbook.core.config import ConfigError
 from pai_cookbook.core.job import Job
 
@@ -137,13 +137,13 @@ def _extend_byte_bpe(base, base_dir: Path, folder: Path, texts: list[str], new_t
 def _extend_sentencepiece(base, base_dir: Path, folder: Path, texts: list[str],
                           new_tokens: int) -> tuple[int, int, list[str], int]:
     base_bytes = (base_dir / "tokenizer.model").read_bytes()
-    settings = vocabulary.sentencepiece_settings(base_bytes)
+    settings = spm.sentencepiece_settings(base_bytes)
     # Room for the pieces the base already has (bytes, specials, shared ones): a quarter more. The trainer
     # counts the base's control and user-defined symbols (Mistral v3: 768) inside its vocabulary size.
     symbols = len(settings.get("user_defined_symbols", ())) + len(settings.get("control_symbols", ()))
     size = new_tokens + new_tokens // 4 + 3 + (256 if settings["byte_fallback"] else 0) + symbols
     try:
-        extra = vocabulary.train_sentencepiece(texts, size, settings)
+        extra = spm.train_sentencepiece(texts, size, settings)
     except RuntimeError as err:
         needed = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(err))
         if needed:  # every character of the corpus (99.95% coverage) must be a piece before any merge
@@ -154,27 +154,27 @@ def _extend_sentencepiece(base, base_dir: Path, folder: Path, texts: list[str],
         raise ConfigError(f"the corpus ({len(texts)} texts, {sum(map(len, texts))} characters) cannot give "
                           f"{new_tokens} new pieces ({err}). Give more text or ask for fewer new tokens.") from None
     taken = base.get_vocab()
-    pieces = [p for p in vocabulary.new_pieces(base_bytes, extra) if p not in taken][:new_tokens]
+    pieces = [p for p in spm.new_pieces(base_bytes, extra) if p not in taken][:new_tokens]
     _check_learned(len(pieces), new_tokens, texts, 1)
     _check_no_special_spelled(base, [p.replace("\u2581", " ").strip() for p in pieces])
     # Ids the Hugging Face tokenizer gives beyond the SentencePiece pieces ([PAD] at 32000, Phi-3's 64 chat and
     # padding tokens): the new pieces follow them.
-    count = len(vocabulary._proto(base_bytes).pieces)
+    count = len(spm.model_proto(base_bytes).pieces)
     reserved = {i: piece for piece, i in base.get_vocab().items() if i >= count}
     first = max(count, max(reserved, default=-1) + 1)
     base_json = json.loads(base.backend_tokenizer.to_str())
     tokenizer.copy(base_dir, folder, tuple(n for n in tokenizer.FILES if n not in tokenizer.VOCABULARY_FILES))
 
     def write(chosen: list[str]) -> None:
-        model_bytes = vocabulary.append_pieces(base_bytes, chosen, reserved=reserved)
+        model_bytes = spm.append_pieces(base_bytes, chosen, reserved=reserved)
         (folder / "tokenizer.model").write_bytes(model_bytes)
-        extended = vocabulary.extend_sentencepiece_json(base_json, model_bytes, chosen, first)
+        extended = spm.extend_sentencepiece_json(base_json, model_bytes, chosen, first)
         (folder / "tokenizer.json").write_text(json.dumps(extended, ensure_ascii=False), encoding="utf-8")
 
     write(pieces)
     extended = tokenizer.load(folder)
     unreached = set(extended.convert_ids_to_tokens(vocabulary.reach(extended, texts, first).unreached))
-    kept = vocabulary.prune_pieces(pieces, unreached)
+    kept = spm.prune_pieces(pieces, unreached)
     if len(kept) < len(pieces):
         write(kept)
         unreached = vocabulary.reach(tokenizer.load(folder), texts, first).unreached  # pieces were removed
