@@ -247,7 +247,7 @@ def test_ppo_policy_and_critic_resume_from_a_step_both_hold(tmp_path, monkeypatc
             (checkpoint.iteration_dir(folder, step) / checkpoint.CONFIG_FILE).write_text("{}")
     job = SimpleNamespace(run=SimpleNamespace(checkpoint=CheckpointConfig(save_dir=str(policy))),
                           critic=SimpleNamespace(checkpoint=CheckpointConfig(save_dir=str(critic))))
-    rlhf._pair_critic(job)
+    rlhf.pair_critic(job)
     assert [p.name for p in checkpoint.finished_iterations(policy)] == ["iter_0000002"]
     assert (policy / "iter_0000003.unpaired").is_dir()
     assert "step 3 has no partner in the other model's folder; policy and critic resume from step 2" in \

@@ -504,7 +504,7 @@ def train(job: RLJob, device) -> dict[str, Any]:
 
 def _saved_state(job: RLJob, controller) -> dict[str, Any]:
     """What an RL checkpoint keeps beside its weights: the reward it was trained with (a resume with another is
-    refused: `rlhf._check_resumed_reward`) and PPO's KL coefficient."""
+    refused: `rlhf.run`) and PPO's KL coefficient."""
     return {"reward": job.reward} | ({"kl_coef": controller.coef} if controller is not None else {})
 
 
