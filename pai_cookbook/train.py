@@ -260,7 +260,7 @@ def history(run_dir: str | Path) -> dict[str, Any]:
 
 def utilization(curve: dict[str, Any]) -> dict[str, float | None]:
     """The mean over a `history` of MFU (model FLOP/s against the GPUs' datasheet dense peak: None on a CPU or a GPU
-    `core.runtime.DATASHEET_DENSE_TFLOPS` lacks) and of the fraction of the matmul peak measured at the start."""
+    `core.throughput.DATASHEET_DENSE_TFLOPS` lacks) and of the fraction of the matmul peak measured at the start."""
     def mean(values: list) -> float | None:
         return None if not values or any(v is None for v in values) else sum(values) / len(values)
 

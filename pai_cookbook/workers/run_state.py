@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, layout, runtime, worker
+from pai_cookbook.core import checkpoint, layout, runtime, throughput, worker
 from pai_cookbook.core.config import RunConfig
 from pai_cookbook.core.model import torch_dtype, training_flops_per_token
 from pai_cookbook.core.runtime import DeviceInfo
@@ -31,9 +31,9 @@ class StepLog:
         gemms = "fp8" if config.precision.fp8 is not None and config.precision.fp8.resolve_backend(device) == "te" \
             else config.precision.dtype
         world = torch.distributed.get_world_size()
-        per_gpu = runtime.datasheet_peak_flops(device.name, gemms) if device.is_cuda else None
+        per_gpu = throughput.datasheet_peak_flops(device.name, gemms) if device.is_cuda else None
         self.datasheet_flops = None if per_gpu is None else per_gpu * world
-        peak = torch.tensor([runtime.measure_matmul_peak(torch_dtype(config.precision))], dtype=torch.float64,
+        peak = torch.tensor([throughput.measure_matmul_peak(torch_dtype(config.precision))], dtype=torch.float64,
                             device=runtime.collective_device())
         torch.distributed.all_reduce(peak)
         self.peak_flops = float(peak.item())
@@ -50,8 +50,8 @@ class StepLog:
     def throughput(self, seconds: float) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step / seconds
         return {"tokens_per_s": tokens_per_s,
-                "mfu": runtime.model_flops_utilization(tokens_per_s, self.flops_per_token, self.datasheet_flops),
-                "mfu_of_measured_peak": runtime.model_flops_utilization(tokens_per_s, self.flops_per_token,
+                "mfu": throughput.model_flops_utilization(tokens_per_s, self.flops_per_token, self.datasheet_flops),
+                "mfu_of_measured_peak": throughput.model_flops_utilization(tokens_per_s, self.flops_per_token,
                                                                         self.peak_flops)}
 
     def write(self, step: int, figures: dict[str, float]) -> None:
