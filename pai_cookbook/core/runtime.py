@@ -4,9 +4,8 @@ Three questions are answered here and nowhere else:
 - *Which hardware path?* CUDA -> NCCL, Transformer Engine when importable, bf16/FP8 where the GPU has them. No
   CUDA -> gloo, with the CPU compatibility layer (`core.compat`) applied once before any model is built.
 - *Which layers does a run build?* (`choose_layers`, recorded as `DeviceInfo.layers`): Transformer Engine's spec
-  (CUDA with TE), Megatron-Core's local spec as upstream ships it (CUDA without TE, or any machine where
-  `PAI_COOKBOOK_LAYERS=local`), or that local spec plus the cookbook's CPU speed converters (`pai_cookbook.cpu`,
-  a CPU's default). `layer_record` names what each path adds to upstream's spec; every result carries it.
+  (CUDA with TE), Megatron-Core's local spec (CUDA without TE, or `PAI_COOKBOOK_LAYERS=local`), or that plus the
+  CPU converters (`pai_cookbook.cpu`, a CPU's default); `layer_record` names what each path adds; results carry it.
 - *Which launch environment?* A single machine (PAI-DSW, a laptop, CI) gets a free local rendezvous port; a
   multi-node job (PAI-DLC) is recognised by MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, where WORLD_SIZE
   counts *nodes* and RANK is the node index (PAI-DLC's PyTorch jobs and the seed project's launch scripts).
