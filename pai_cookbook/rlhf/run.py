@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, inputs, runtime
+from pai_cookbook.core import checkpoint, damage, inputs, runtime
 from pai_cookbook.core.config import (
     ConfigError,
     ParallelConfig,
@@ -80,12 +80,12 @@ def pair_critic(job: RLJob) -> None:
     if job.critic is None or not ckpt.save_dir or not ckpt.resume:
         return
     folders = [Path(ckpt.save_dir), Path(job.critic.checkpoint.save_dir)]
-    said = [line for folder in folders for line in checkpoint.set_damaged_aside(folder)]
+    said = [line for folder in folders for line in damage.set_damaged_aside(folder)]
     steps = [{int(p.name[len(checkpoint.ITER_PREFIX):]) for p in checkpoint.finished_iterations(f)} for f in folders]
     both = max(steps[0] & steps[1], default=0)
     for folder, held in zip(folders, steps):
         for step in sorted(s for s in held if s > both):
-            aside = checkpoint.set_aside(checkpoint.iteration_dir(folder, step), ".unpaired")
+            aside = damage.set_aside(checkpoint.iteration_dir(folder, step), ".unpaired")
             said.append(f"{folder.name}/{aside.name}: step {step} has no partner in the other model's folder")
     for line in said:
         print(f"ppo: {line}; policy and critic resume from step {both}.")
