@@ -33,9 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from pai_cookbook.core import failures, nodes, runtime, worker
+from pai_cookbook.core import failures, nodes, processes, runtime, worker
 from pai_cookbook.core.failures import WorkerError
 from pai_cookbook.core.job import Job
 
@@ -68,8 +66,6 @@ and faulted back in page by page next step. Given to the CPU workers of jobs wit
 environment sets GLIBC_TUNABLES itself. The benchmark model's training step: 24,900 -> 3 page faults, peak RSS
 1,975 -> 1,992 MB, tokens/s +2.4% (median of 4 alternations; docs/megatron-core-on-cpu.md). Ignored by other C
 libraries."""
-TERMINATE_GRACE_S = 5.0
-"""Seconds workers get to exit after SIGTERM before SIGKILL."""
 _EVENT_DECODER = json.JSONDecoder()
 _RANK_PREFIX = re.compile(r"^\[default\d+\]:")
 
@@ -94,10 +90,6 @@ def run_here(job: Job) -> dict[str, Any]:
             warnings.filterwarnings("ignore", message=re.escape(message))
         job.check(1, device)
         return run(job, device)
-
-
-PR_SET_PDEATHSIG = 1
-"""prctl(2)'s option: the signal a process gets when the thread that started it ends."""
 
 
 def torchrun_argv(module: str, args: Sequence[str], nproc_per_node: int, env: runtime.LaunchEnv,
@@ -139,34 +131,6 @@ SINGLE_PROCESS_LOG = Path("single_process", "attempt_0", "0", "output.log")
 def _threads_per_worker(nproc_per_node: int) -> int:
     # 2 cores / 2 workers = 1 thread each: oversubscribed BLAS threads make CPU runs several times slower.
     return max(1, (os.cpu_count() or 1) // nproc_per_node)
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM torchrun and all its descendants, SIGKILL whatever is still alive after the grace."""
-    try:
-        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        with _ignore_gone():
-            p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(tree, timeout=TERMINATE_GRACE_S)
-    for p in alive:
-        with _ignore_gone():
-            p.kill()
-    psutil.wait_procs(alive, timeout=TERMINATE_GRACE_S)
-    try:
-        proc.wait(timeout=TERMINATE_GRACE_S)  # bounded: a launcher that cleans up must not hang itself
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-class _ignore_gone:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        return exc_type is psutil.NoSuchProcess
 
 
 class _Progress:
@@ -236,39 +200,6 @@ def _close_quietly(log) -> None:
             log.close()
 
 
-class _Signals:
-    """While a launch runs: SIGTERM and SIGHUP raise `Terminated` in the launching thread, so the
-    launch's cleanup ends every worker; afterwards the signal is re-sent with the process's own
-    handler restored, so it ends the process as it would have without the launch."""
-
-    HANDLED = (signal.SIGTERM, signal.SIGHUP)
-
-    def __enter__(self):
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            for signum in self.HANDLED:
-                self.previous[signum] = signal.signal(signum, self._raise)
-        return self
-
-    @staticmethod
-    def _raise(signum, frame):
-        raise Terminated(signum)
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        if isinstance(exc, Terminated):
-            os.kill(os.getpid(), exc.signum)
-
-
-class Terminated(BaseException):
-    """The launcher received SIGTERM or SIGHUP; its workers have been terminated."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(f"received {signal.Signals(signum).name}; every worker was terminated")
-
-
 def launch(job: Job, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/latest",
            timeout_s: float | None = None, show_progress: bool = True, echo: bool = True,
            env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -291,7 +222,7 @@ def launch(job: Job, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/lat
         WorkerError: a worker exited non-zero; names the rank and shows its log tail.
         TimeoutError: timeout_s passed; every worker was terminated.
         KeyboardInterrupt: re-raised after every worker was terminated.
-        Terminated: SIGTERM or SIGHUP arrived; every worker was terminated, then the signal is re-sent
+        processes.Terminated: SIGTERM or SIGHUP arrived; every worker was terminated, then the signal is re-sent
             to this process with its own handler (by default it ends the process).
         nodes.NodeError: on a node other than 0 of a multi-node job, node 0 failed or never came.
     """
@@ -340,21 +271,6 @@ def user_paths() -> list[str]:
         if str(path) not in found:
             found.append(str(path))
     return found
-
-
-def _death_signal() -> Callable[[], None] | None:
-    """What the launched process runs before its program (Linux): it asks the kernel for SIGTERM when the launching
-    thread ends, however it ends (a notebook kernel restarted, the OOM killer), and torchrun then ends its workers as
-    on any SIGTERM. libc is looked up here, before the fork: the child only makes the call."""
-    if sys.platform != "linux":
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _launch_locked(job: Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: int, run_dir: str | Path,
@@ -408,17 +324,17 @@ def _launch_locked(job: Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
         if echo:
             print(line, flush=True)
 
-    with _Signals():
+    with processes.Signals():
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
                                 start_new_session=True,  # own process group: a notebook interrupt reaches us only
-                                preexec_fn=_death_signal())
+                                preexec_fn=processes.death_signal())
         reader = threading.Thread(target=_stream, args=(proc, on_line, single_log), daemon=True)
         started = time.monotonic()
         try:
             reader.start()  # inside the try: an interrupt from here on ends the workers too
             while proc.poll() is None:
                 if timeout_s is not None and time.monotonic() - started > timeout_s:
-                    _terminate(proc)
+                    processes.terminate(proc)
                     raise TimeoutError(f"{job.WORKER} ran past timeout_s={timeout_s}; all workers were terminated. "
                                        f"Logs in {log_dir}")
                 time.sleep(0.1)
@@ -426,11 +342,11 @@ def _launch_locked(job: Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGTERM)
         except BaseException:
-            _terminate(proc)
+            processes.terminate(proc)
             raise
         finally:
             if reader.ident is not None:  # started
-                reader.join(timeout=TERMINATE_GRACE_S)
+                reader.join(timeout=processes.TERMINATE_GRACE_S)
             progress.close()
 
     if proc.returncode != 0:
