@@ -202,9 +202,9 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
 def _write_dataset(inputs: Sequence[str | Path], tmp: Path, hf_tokenizer: Any, tokenizer_dir: str | Path,
                    text_field: str, workers: int, eod: int | None, show_progress: bool) -> tuple[int, int]:
     """Tokenize every input into `<tmp>.bin/.idx`; returns (documents, tokens)."""
-    from pai_cookbook.core import compat, progress
+    from pai_cookbook.core import megatron_import, progress
 
-    compat.import_megatron_core()  # in the caller's process: without TorchInductor on CPU, as workers import it
+    megatron_import.import_megatron_core()  # in the caller's process: without TorchInductor on CPU, as workers import it
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(len(hf_tokenizer)))

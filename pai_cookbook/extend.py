@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pai_cookbook.core import checkpoint, cli, inputs, nodes, tokenizer, vocabulary
+from pai_cookbook.core import checkpoint, cli, inputs, nodes, spm, tokenizer, vocabulary
 from pai_cookbook.core.config import ConfigError
 from pai_cookbook.core.job import Job
+from pai_cookbook.extension_checks import check_no_special_spelled, check_old_text, check_specials, moved_specials
 
 INITS = ("mean", "hf_mean", "random")
 """New rows: mean of the sub-token rows; transformers' `resize_token_embeddings(mean_resizing=True)`
@@ -108,8 +109,8 @@ def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, ne
         else:
             first, learned, dropped, intermediate = _extend_sentencepiece(base, base_dir, partial, texts, new_tokens)
         extended = tokenizer.load(partial)
-        _check_specials(base, extended)
-        checked = _check_old_text(base, extended, base_dir, partial, first, texts)
+        check_specials(base, extended)
+        checked = check_old_text(base, extended, base_dir, partial, first, texts)
         extension = Extension(kind=kind, base=str(base_dir.resolve()), base_fingerprint=tokenizer.fingerprint(base_dir),
                               base_size=len(base), first_new=first, size=len(extended), requested=new_tokens,
                               learned=learned, dropped=dropped,
@@ -123,7 +124,7 @@ def _extend_byte_bpe(base, base_dir: Path, folder: Path, texts: list[str], new_t
                      min_frequency: int) -> tuple[int, int, list[str], int]:
     merges = vocabulary.learn_bpe_merges(base.backend_tokenizer, texts, new_tokens, min_frequency=min_frequency)
     _check_learned(len(merges.pairs), new_tokens, texts, min_frequency)
-    _check_no_special_spelled(base, [base.backend_tokenizer.decoder.decode([t]) for t in merges.tokens])
+    check_no_special_spelled(base, [base.backend_tokenizer.decoder.decode([t]) for t in merges.tokens])
     first = _write_byte_bpe(base, base_dir, folder, merges.pairs)
     reach = vocabulary.reach(tokenizer.load(folder), texts, first)
     pairs, dropped = vocabulary.prune(merges.pairs, [i - first for i in reach.unreached])
@@ -137,13 +138,13 @@ def _extend_byte_bpe(base, base_dir: Path, folder: Path, texts: list[str], new_t
 def _extend_sentencepiece(base, base_dir: Path, folder: Path, texts: list[str],
                           new_tokens: int) -> tuple[int, int, list[str], int]:
     base_bytes = (base_dir / "tokenizer.model").read_bytes()
-    settings = vocabulary.sentencepiece_settings(base_bytes)
+    settings = spm.sentencepiece_settings(base_bytes)
     # Room for the pieces the base already has (bytes, specials, shared ones): a quarter more. The trainer
     # counts the base's control and user-defined symbols (Mistral v3: 768) inside its vocabulary size.
     symbols = len(settings.get("user_defined_symbols", ())) + len(settings.get("control_symbols", ()))
     size = new_tokens + new_tokens // 4 + 3 + (256 if settings["byte_fallback"] else 0) + symbols
     try:
-        extra = vocabulary.train_sentencepiece(texts, size, settings)
+        extra = spm.train_sentencepiece(texts, size, settings)
     except RuntimeError as err:
         needed = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(err))
         if needed:  # every character of the corpus (99.95% coverage) must be a piece before any merge
@@ -154,27 +155,27 @@ def _extend_sentencepiece(base, base_dir: Path, folder: Path, texts: list[str],
         raise ConfigError(f"the corpus ({len(texts)} texts, {sum(map(len, texts))} characters) cannot give "
                           f"{new_tokens} new pieces ({err}). Give more text or ask for fewer new tokens.") from None
     taken = base.get_vocab()
-    pieces = [p for p in vocabulary.new_pieces(base_bytes, extra) if p not in taken][:new_tokens]
+    pieces = [p for p in spm.new_pieces(base_bytes, extra) if p not in taken][:new_tokens]
     _check_learned(len(pieces), new_tokens, texts, 1)
-    _check_no_special_spelled(base, [p.replace("\u2581", " ").strip() for p in pieces])
+    check_no_special_spelled(base, [p.replace("\u2581", " ").strip() for p in pieces])
     # Ids the Hugging Face tokenizer gives beyond the SentencePiece pieces ([PAD] at 32000, Phi-3's 64 chat and
     # padding tokens): the new pieces follow them.
-    count = len(vocabulary._proto(base_bytes).pieces)
+    count = len(spm.model_proto(base_bytes).pieces)
     reserved = {i: piece for piece, i in base.get_vocab().items() if i >= count}
     first = max(count, max(reserved, default=-1) + 1)
     base_json = json.loads(base.backend_tokenizer.to_str())
     tokenizer.copy(base_dir, folder, tuple(n for n in tokenizer.FILES if n not in tokenizer.VOCABULARY_FILES))
 
     def write(chosen: list[str]) -> None:
-        model_bytes = vocabulary.append_pieces(base_bytes, chosen, reserved=reserved)
+        model_bytes = spm.append_pieces(base_bytes, chosen, reserved=reserved)
         (folder / "tokenizer.model").write_bytes(model_bytes)
-        extended = vocabulary.extend_sentencepiece_json(base_json, model_bytes, chosen, first)
+        extended = spm.extend_sentencepiece_json(base_json, model_bytes, chosen, first)
         (folder / "tokenizer.json").write_text(json.dumps(extended, ensure_ascii=False), encoding="utf-8")
 
     write(pieces)
     extended = tokenizer.load(folder)
     unreached = set(extended.convert_ids_to_tokens(vocabulary.reach(extended, texts, first).unreached))
-    kept = vocabulary.prune_pieces(pieces, unreached)
+    kept = spm.prune_pieces(pieces, unreached)
     if len(kept) < len(pieces):
         write(kept)
         unreached = vocabulary.reach(tokenizer.load(folder), texts, first).unreached  # pieces were removed
@@ -186,83 +187,6 @@ def _check_learned(learned: int, requested: int, texts: list[str], min_frequency
         raise ConfigError(f"the corpus ({len(texts)} texts, {sum(map(len, texts))} characters) gives only {learned} "
                           f"new tokens that occur >= {min_frequency} times, fewer than half of the {requested} asked "
                           f"for. Give more text (a few MB for thousands of tokens) or ask for at most {learned} new tokens.")
-
-
-def moved_specials(base, extended) -> dict[str, tuple[int, int]]:
-    """Special tokens of `base` whose id differs in `extended`: text -> (old id, new id)."""
-    return {t.content: (i, extended.convert_tokens_to_ids(t.content)) for i, t in base.added_tokens_decoder.items()
-            if extended.convert_tokens_to_ids(t.content) != i}
-
-
-def _check_specials(base, extended) -> None:
-    """Special tokens keep their ids in the extended tokenizer."""
-    moved = moved_specials(base, extended)
-    if moved:
-        raise ConfigError(f"special tokens would change ids: {moved}; the base tokenizer's added tokens must keep "
-                          f"theirs (report this: the merge should never move them).")
-
-
-CHECKED_CORPUS_TEXTS = 2000
-"""Texts of the learning corpus the writer's own check tokenizes (with the edge cases and English)."""
-INDENTS = ("    ", "        ", "\t", "  ")
-"""Indentation put before English in the writer's check: whitespace runs are where SentencePiece conversions
-differ (Mistral's ▁▁ pieces)."""
-
-
-def old_texts(base, texts: list[str] = ()) -> list[str]:
-    """What an extension must tokenize exactly as the base: the edge cases, English paragraphs (as they are,
-    indented and as lines of code), each special token typed in text, and the first `CHECKED_CORPUS_TEXTS` of
-    `texts`."""
-    from pai_cookbook import corpora
-
-    english = corpora.english(limit=300)
-    indented = [indent + text for indent in INDENTS for text in english[:50]]
-    code = ["\n".join(indent + t for indent, t in zip(("", *INDENTS), english[k:k + 5])) for k in range(0, 100, 5)]
-    specials = sorted({t.content for t in base.added_tokens_decoder.values()})
-    typed = [f"{s}Hello world{s}" for s in specials] + [f"Hello {s} world" for s in specials]
-    return corpora.EDGE_CASES + english + indented + code + typed + list(texts[:CHECKED_CORPUS_TEXTS])
-
-
-def _check_old_text(base, extended, base_dir: Path, folder: Path, first: int, texts: list[str]) -> dict[str, int]:
-    """Refuse to publish an extension that changes any old id, or the tokens of any text it tokenizes without
-    a new token (against the base's Hugging Face tokenizer, and for SentencePiece against SentencePiece too).
-    Returns the texts checked per tokenizer.
-
-    Raises:
-        ConfigError: naming the first text that changed, with both tokenizations.
-    """
-    old_vocab, new_vocab = base.get_vocab(), extended.get_vocab()
-    moved = [(piece, i, new_vocab.get(piece)) for piece, i in old_vocab.items() if new_vocab.get(piece) != i]
-    if moved:
-        raise ConfigError(f"the extended tokenizer moves {len(moved)} old token(s), first {moved[0][0]!r} from id "
-                          f"{moved[0][1]} to {moved[0][2]}; expected every old id kept. Nothing was written; "
-                          f"report this with the base tokenizer (the merge should never move an old id).")
-    checks = old_texts(base, texts)
-    encoders = [("Hugging Face", lambda t: base(t, add_special_tokens=False).input_ids,
-                 lambda t: extended(t, add_special_tokens=False).input_ids)]
-    if (folder / "tokenizer.model").exists() and (base_dir / "tokenizer.model").exists():
-        import sentencepiece
-
-        old_sp = sentencepiece.SentencePieceProcessor(model_file=str(base_dir / "tokenizer.model"))
-        new_sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
-        encoders.append(("SentencePiece", old_sp.encode, new_sp.encode))
-    for name, old_encode, new_encode in encoders:
-        for text in checks:
-            before, after = old_encode(text), new_encode(text)
-            if before != after and not any(i >= first for i in after):
-                raise ConfigError(f"the extended tokenizer ({name}) changes old text {text[:80]!r}: {before[:12]} "
-                                  f"became {after[:12]} with no new token; expected old text unchanged. Nothing was "
-                                  f"written; report this with the base tokenizer.")
-    return {name: len(checks) for name, _, _ in encoders}
-
-
-def _check_no_special_spelled(base, texts: list[str]) -> None:
-    """No new token may spell a special token: text holding it could not be told from the special token."""
-    specials = {t.content for t in base.added_tokens_decoder.values()}
-    clash = sorted(specials.intersection(texts))
-    if clash:
-        raise ConfigError(f"new token(s) {clash} spell special tokens of the base tokenizer; the corpus contains "
-                          f"that markup as text. Remove it from the corpus (or strip special tokens first).")
 
 
 def _write_byte_bpe(base, base_dir: Path, folder: Path, pairs: list[tuple[str, str]]) -> int:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pai_cookbook.core import checkpoint, cli, inputs, layout, runtime
+from pai_cookbook.core import checkpoint, cli, damage, inputs, layout, runtime
 from pai_cookbook.core.checkpoint import load_tokenizer
 from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.core.job import Job
@@ -111,7 +111,7 @@ def resolve_checkpoint(path: str | Path, language_model: bool = True) -> Path:
     if not (path / checkpoint.CONFIG_FILE).exists():
         latest = checkpoint.finished_iterations(path)
         path = latest[-1] if latest else path
-    problem = checkpoint.damage(path) if (path / ".metadata").exists() else None
+    problem = damage.damage(path) if (path / ".metadata").exists() else None
     if problem:
         raise ConfigError(f"{path} is damaged: {problem}. Give an earlier checkpoint; a training run resumed into "
                           f"its save_dir sets the damaged one aside and continues from the last complete one.")

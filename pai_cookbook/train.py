@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pai_cookbook import data, sft
-from pai_cookbook.core import checkpoint, cli, inputs, layout, lock, nodes, runtime
+from pai_cookbook.core import checkpoint, cli, damage, inputs, layout, lock, nodes, runtime
 from pai_cookbook.core import launch as launcher
 from pai_cookbook.core.config import (
     CheckpointConfig,
@@ -71,7 +71,7 @@ def preflight(config: RunConfig, world_size: int) -> None:
         return
     for unfinished in Path(ckpt.save_dir).glob(f"{checkpoint.ITER_PREFIX}*{checkpoint.PARTIAL_SUFFIX}"):
         shutil.rmtree(unfinished)  # a killed save's leftovers: never loadable, and they hold disk
-    set_aside = checkpoint.set_damaged_aside(ckpt.save_dir) if ckpt.resume else []
+    set_aside = damage.set_damaged_aside(ckpt.save_dir) if ckpt.resume else []
     latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:]
     for line in set_aside:
         print(f"train: {line}; " + (f"resuming from {latest[0].name}." if latest else
@@ -260,7 +260,7 @@ def history(run_dir: str | Path) -> dict[str, Any]:
 
 def utilization(curve: dict[str, Any]) -> dict[str, float | None]:
     """The mean over a `history` of MFU (model FLOP/s against the GPUs' datasheet dense peak: None on a CPU or a GPU
-    `core.runtime.DATASHEET_DENSE_TFLOPS` lacks) and of the fraction of the matmul peak measured at the start."""
+    `core.throughput.DATASHEET_DENSE_TFLOPS` lacks) and of the fraction of the matmul peak measured at the start."""
     def mean(values: list) -> float | None:
         return None if not values or any(v is None for v in values) else sum(values) / len(values)
 

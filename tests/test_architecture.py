@@ -85,6 +85,26 @@ def test_the_cpu_package_builds_on_the_engine_alone():
     assert not wrong, wrong
 
 
+def _has_entry(path: Path) -> bool:
+    """Whether a module defines a function decorated `@worker.entry(...)` (what torchrun runs)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef):
+            for decorator in node.decorator_list:
+                call = decorator.func if isinstance(decorator, ast.Call) else decorator
+                if isinstance(call, ast.Attribute) and call.attr == "entry":
+                    return True
+    return False
+
+
+def test_no_module_imports_a_worker_module():
+    """A worker module (one with a `@worker.entry` main) is what torchrun runs: nothing imports it, not even another
+    worker. What the workers share is a library beside them (`workers.training`, `workers.run_state`)."""
+    entries = {_module(p) for p in PACKAGE.rglob("*.py") if _has_entry(p)}
+    assert "pai_cookbook.workers.train" in entries
+    wrong = [(s, t) for s, targets in imports().items() for t, _ in targets if t in entries]
+    assert not wrong, wrong
+
+
 def test_only_the_launcher_runs_a_worker():
     """No recipe (or engine module) imports a worker: the launcher starts it under torchrun, or in this process
     (`launch.run_here`, which imports the job's worker module by its name), so what runs where stays visible."""

@@ -208,7 +208,7 @@ def test_a_chunk_missing_from_the_metadata_is_found(converted):
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from pai_cookbook.workers.convert import Chunk, unwritten_chunks
+    from pai_cookbook.workers.dcp_layout import Chunk, unwritten_chunks
 
     _, ckpt, _ = converted["llama"]
     metadata = FileSystemReader(str(ckpt)).read_metadata()

@@ -10,7 +10,7 @@ import pytest
 import sentencepiece
 
 from pai_cookbook import corpora, extend, tiny_models
-from pai_cookbook.core import tokenizer, vocabulary
+from pai_cookbook.core import spm, tokenizer, vocabulary
 from pai_cookbook.core.config import ConfigError
 
 LEARN = 5000  # Chinese sentences to learn from: ~105k characters, a few seconds of BPE learning
@@ -36,8 +36,8 @@ def byte_level_base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sentencepiece_base(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("sp_base")
-    model = vocabulary.train_sentencepiece(corpora.english(), 1000, vocabulary.LLAMA2_SETTINGS)
-    vocabulary.sentencepiece_to_hf(model, folder, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    model = spm.train_sentencepiece(corpora.english(), 1000, spm.LLAMA2_SETTINGS)
+    spm.sentencepiece_to_hf(model, folder, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
     return folder
 
 
@@ -91,7 +91,7 @@ def test_sentencepiece_extension_agrees_with_the_fast_tokenizer(sentencepiece_ba
     assert all(processor.decode(processor.encode(t)) == t for t in texts)
     # The copied merge (score 0) makes SentencePiece disagree with the fast tokenizer on the same pieces.
     pieces = fast.convert_ids_to_tokens(list(range(extension.first_new, extension.size)))
-    zero = sentencepiece.SentencePieceProcessor(model_proto=vocabulary.append_pieces(
+    zero = sentencepiece.SentencePieceProcessor(model_proto=spm.append_pieces(
         (sentencepiece_base / "tokenizer.model").read_bytes(), pieces, zero_scores=True))
     assert sum(zero.encode(t) != fast(t, add_special_tokens=False).input_ids for t in texts) > 10
 
@@ -164,9 +164,9 @@ def test_byte_level_specials_outside_the_vocabulary_keep_their_ids(byte_level_ba
 def test_new_scores_are_distinct_in_float32_and_below_every_old_score(sentencepiece_base):
     import numpy as np
 
-    model = vocabulary._proto((sentencepiece_base / "tokenizer.model").read_bytes())
+    model = spm.model_proto((sentencepiece_base / "tokenizer.model").read_bytes())
     model.pieces[-1].score = -1e9  # Mistral's lowest score: a float32 step there is 64
-    grown = vocabulary._proto(vocabulary.append_pieces(model.SerializeToString(), [f"新{i}" for i in range(500)]))
+    grown = spm.model_proto(spm.append_pieces(model.SerializeToString(), [f"新{i}" for i in range(500)]))
     new = np.array([p.score for p in grown.pieces[len(model.pieces):]], dtype=np.float32)
     assert len(set(new.tolist())) == 500 and (np.diff(new) < 0).all() and new.max() < np.float32(-1e9)
 
@@ -193,8 +193,8 @@ def mistral_like_base(tmp_path_factory) -> Path:
 
     from transformers import AutoTokenizer
 
-    settings = vocabulary.LLAMA2_SETTINGS | {"control_symbols": [f"[control_{i}]" for i in range(300)]}
-    model = vocabulary._proto(vocabulary.train_sentencepiece(corpora.english(), 1300, settings))
+    settings = spm.LLAMA2_SETTINGS | {"control_symbols": [f"[control_{i}]" for i in range(300)]}
+    model = spm.model_proto(spm.train_sentencepiece(corpora.english(), 1300, settings))
     pieces = list(model.pieces)
     runs = [p for p in pieces if set(p.piece) == {"\u2581"} and len(p.piece) > 1]
     present = {p.piece for p in runs}
@@ -250,7 +250,7 @@ def test_control_symbols_count_in_the_trainer_size(mistral_like_base, sentencepi
 def test_an_extension_that_changes_old_text_is_not_written(sentencepiece_base, tmp_path, monkeypatch):
     """The writer's own check: old merges ranked otherwise than the base ranks them (here: by id reversed, a
     stand-in for a conversion that ranks them differently) change old text, and nothing is published."""
-    real = vocabulary.extend_sentencepiece_json
+    real = spm.extend_sentencepiece_json
 
     def reranked(data, model_bytes, pieces, first):
         extended = real(data, model_bytes, pieces, first)

@@ -213,6 +213,8 @@ def test_bad_requests_are_refused_before_launch(checkpoints, tmp_path, no_launch
         generate.generate(ckpt, ["hello"], parallel=ParallelConfig(tensor_model_parallel_size=4))
     with pytest.raises(FileNotFoundError, match="not a checkpoint written by the cookbook"):
         generate.generate(tmp_path, ["hello"])
+    with pytest.raises(ConfigError, match=r"nproc_per_node=0 must be >= 1"):  # was taken as "not given"
+        generate.generate(ckpt, ["hello"], nproc_per_node=0)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a"}\n{"prompt": "b", "top_k": 1\n')
     code = generate.main([str(ckpt), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl")])

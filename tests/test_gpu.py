@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pai_cookbook import convert, data, fp8, generate, hf_baseline, parity, train
-from pai_cookbook.core import checkpoint, launch, runtime, tokenizer
+from pai_cookbook.core import checkpoint, launch, runtime, throughput, tokenizer
 from pai_cookbook.core.config import CheckpointConfig, DataConfig, FP8Config, OptimizerConfig, PrecisionConfig, RunConfig
 from pai_cookbook.generate import GenerationConfig
 from pai_cookbook.tiny_models import make_tiny_hf_model
@@ -177,7 +177,7 @@ def test_mfu_of_a_half_billion_parameter_llama(tmp_path, record):
     # Above 1 the FLOP count or the peak is wrong; below 5% something runs on the wrong path (fp32, CPU).
     assert 0.05 < measured < 1, measured
     assert mfu is None or 0.05 < mfu < 1, mfu
-    assert known == (runtime.datasheet_peak_flops(DEVICE.name, "bf16") is not None)
+    assert known == (throughput.datasheet_peak_flops(DEVICE.name, "bf16") is not None)
 
 
 @needs_fp8

@@ -9,7 +9,7 @@ would fail on a tensor made on the host and met by the model's.
 - training at TP=2 equal to TP=1 within 1e-5 under the guard, synthetic pretraining and packed SFT rows;
 - a reward model's training and scoring, PPO against it and a GRPO step, under the guard.
 
-MFU against the datasheet (`runtime.datasheet_peak_flops`) is checked here too: it is what a GPU run reports.
+MFU against the datasheet (`throughput.datasheet_peak_flops`) is checked here too: it is what a GPU run reports.
 """
 
 import re
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pai_cookbook import extend, generate, hf_baseline, reward_model, rlhf, sft
-from pai_cookbook.core import device_guard, families, runtime
+from pai_cookbook.core import device_guard, families, runtime, throughput
 from pai_cookbook.core.config import DataConfig, ParallelConfig
 from pai_cookbook.core.model import training_flops_per_token
 from pai_cookbook.generate import GenerationConfig
@@ -185,11 +185,11 @@ def test_mfu_is_against_the_datasheet_peak():
     model = families.tiny("llama", hidden_size=2048, num_layers=16, ffn_hidden_size=8192, num_attention_heads=32,
                           num_query_groups=8, kv_channels=64, vocab_size=128256)
     per_token = training_flops_per_token(model, 2048)
-    peak = runtime.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    peak = throughput.datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bf16")
     assert peak == 989e12 and round(44_300 * per_token / 1e12) == 364
-    assert round(runtime.model_flops_utilization(44_300, per_token, peak), 2) == 0.37
-    assert runtime.datasheet_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12  # the PCIe card, not the SXM row
-    assert runtime.datasheet_peak_flops("NVIDIA H20", "fp8") == 296e12
-    assert runtime.datasheet_peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None  # no FP8 on an A100
-    assert runtime.datasheet_peak_flops("NVIDIA GeForce RTX 4090", "bf16") is None
-    assert runtime.model_flops_utilization(44_300, per_token, None) is None
+    assert round(throughput.model_flops_utilization(44_300, per_token, peak), 2) == 0.37
+    assert throughput.datasheet_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12  # the PCIe card, not the SXM row
+    assert throughput.datasheet_peak_flops("NVIDIA H20", "fp8") == 296e12
+    assert throughput.datasheet_peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None  # no FP8 on an A100
+    assert throughput.datasheet_peak_flops("NVIDIA GeForce RTX 4090", "bf16") is None
+    assert throughput.model_flops_utilization(44_300, per_token, None) is None

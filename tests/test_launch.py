@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pai_cookbook.core import launch, runtime, worker
+from pai_cookbook.core import failures, launch, runtime, worker
 from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
 from tests.conftest import tiny_run
 from tests.workers.launch_probe import ProbeJob, SteppingProbeJob
@@ -216,9 +216,9 @@ def test_the_rank_that_raised_is_named_with_its_exceptions_exit_code(tmp_path):
                             (1, 10.1, "RuntimeError: deliberate failure on rank 1")):
         (errors / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "local_rank": rank, "time": at,
                                                              "error": error, "traceback": ""}))
-    assert launch._first_failure(tmp_path, _summary((0, 1), (1, -15))) == (1, 1, 1)
+    assert failures.first_failure(tmp_path, _summary((0, 1), (1, -15))) == (1, 1, 1)
     # A rank killed by a signal of its own (the OOM killer's SIGKILL) left no record and is the cause.
-    assert launch._first_failure(tmp_path, _summary((0, 1), (1, -9))) == (1, 1, -9)
+    assert failures.first_failure(tmp_path, _summary((0, 1), (1, -9))) == (1, 1, -9)
     # The race CI met next (2026-11-24, the full-disk test): rank 1 could not write its record, and rank 0's
     # init_process_group failed on the closed connection and recorded that; torchrun's error files (one per
     # local rank, both stamped the same second, so its root cause could be either) still hold rank 1's OSError.
@@ -228,4 +228,4 @@ def test_the_rank_that_raised_is_named_with_its_exceptions_exit_code(tmp_path):
         folder = tmp_path / "logs" / "none_x" / "attempt_0" / str(rank)
         folder.mkdir(parents=True)
         (folder / "error.json").write_text(json.dumps({"message": {"message": message}}))
-    assert launch._first_failure(tmp_path, _summary((1, 1), (0, 1))) == (1, 1, 1)
+    assert failures.first_failure(tmp_path, _summary((1, 1), (0, 1))) == (1, 1, 1)

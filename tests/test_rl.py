@@ -107,7 +107,7 @@ def test_explained_variance_and_whitening():
 def test_sampled_token_log_probabilities_keep_float64s_digits_on_a_trained_models_row():
     """The RL worker's engine log-probabilities against float64 on a row shaped like a trained model's (one
     logit near 9, the unused part of a 49,152-token vocabulary near -7.6, as notebook 08's policy has)."""
-    from pai_cookbook.workers.generate import entropy, token_logprobs
+    from pai_cookbook.workers.engine import entropy, token_logprobs
 
     logits = -7.6 + 0.24 * torch.randn(2, 49152, generator=torch.Generator().manual_seed(0))
     logits[:, 33], logits[:, 40] = 9.4, 6.6

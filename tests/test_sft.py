@@ -1,4 +1,4 @@
-"""SFT data (pai_cookbook/sft.py): answer-only loss masks found two ways and cross-checked, bad records named
+"""SFT data (pai_cookbook/sft/): answer-only loss masks found two ways and cross-checked, bad records named
 with their line, truncation counted, first-fit-decreasing packing."""
 
 import json

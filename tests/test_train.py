@@ -10,7 +10,7 @@ import pytest
 from pai_cookbook import train
 from pai_cookbook.core import checkpoint, families
 from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, OptimizerConfig, ParallelConfig
-from pai_cookbook.workers import train as train_worker
+from pai_cookbook.workers import training as train_worker
 from tests.conftest import tiny_run, train_in_background
 
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from pai_cookbook import train
-from pai_cookbook.core import checkpoint, lock, worker
+from pai_cookbook.core import checkpoint, damage, lock, worker
 from pai_cookbook.core.config import (
     CheckpointConfig,
     ConfigError,
@@ -208,7 +208,7 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_l
     assert latest.name == "iter_0000003"
     victim = sorted(latest.glob("*.distcp"))[0]
     victim.write_bytes(victim.read_bytes()[:-1000])
-    assert "bytes, its tensors need" in checkpoint.damage(latest)
+    assert "bytes, its tensors need" in damage.damage(latest)
     with pytest.raises(ConfigError, match=rf"iter_0000003 is damaged: {victim.name} is \d+ bytes"):
         generate.resolve_checkpoint(tmp_path / "ckpt")
     capsys.readouterr()
@@ -217,7 +217,7 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_l
     assert "iter_0000003 is damaged" in said and "set aside as iter_0000003.damaged" in said
     assert resumed["first_step"] == 2 and resumed["losses"] == first["losses"][2:]
     assert (tmp_path / "ckpt" / "iter_0000003.damaged" / victim.name).exists()
-    assert checkpoint.damage(checkpoint.finished_iterations(tmp_path / "ckpt")[-1]) is None
+    assert damage.damage(checkpoint.finished_iterations(tmp_path / "ckpt")[-1]) is None
 
 
 def test_a_resume_whose_only_checkpoint_is_damaged_starts_over_and_says_so(tmp_path, capsys):
@@ -239,7 +239,7 @@ def test_ppo_policy_and_critic_resume_from_a_step_both_hold(tmp_path, monkeypatc
 
     from pai_cookbook import rlhf
 
-    monkeypatch.setattr(checkpoint, "damage", lambda ckpt: None)  # whole checkpoints: only their steps differ
+    monkeypatch.setattr(damage, "damage", lambda ckpt: None)  # whole checkpoints: only their steps differ
     policy, critic = tmp_path / "ppo", tmp_path / "ppo" / "critic"
     for folder, steps in ((policy, (2, 3)), (critic, (2,))):
         for step in steps:
@@ -247,7 +247,7 @@ def test_ppo_policy_and_critic_resume_from_a_step_both_hold(tmp_path, monkeypatc
             (checkpoint.iteration_dir(folder, step) / checkpoint.CONFIG_FILE).write_text("{}")
     job = SimpleNamespace(run=SimpleNamespace(checkpoint=CheckpointConfig(save_dir=str(policy))),
                           critic=SimpleNamespace(checkpoint=CheckpointConfig(save_dir=str(critic))))
-    rlhf._pair_critic(job)
+    rlhf.pair_critic(job)
     assert [p.name for p in checkpoint.finished_iterations(policy)] == ["iter_0000002"]
     assert (policy / "iter_0000003.unpaired").is_dir()
     assert "step 3 has no partner in the other model's folder; policy and critic resume from step 2" in \

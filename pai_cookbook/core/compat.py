@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import standins
+from pai_cookbook.core import megatron_import, standins
 
 PROVEN_ON = "0.16"
 """The Megatron-Core minor version these patches were written and tested for (megatron-core 0.16.x)."""
@@ -365,41 +365,6 @@ def check_version(version: str | None = None) -> None:
                            f"and run any supported version.")
 
 
-def _import_megatron_uncompiled() -> None:
-    """Import Megatron-Core with `torch.compile` standing in as the identity while it loads (CPU only).
-
-    `megatron.core.jit` binds `jit_fuser = torch.compile`, and a dozen small functions (bias-GELU/GeGLU/SwiGLU
-    fusions, a router's expert bias, a norm) are decorated with it as their modules import. Wrapping a function
-    in torch.compile imports TorchInductor: 1.6 of the 4.3 s that `import megatron.core` takes on this machine,
-    paid by every worker (measured; docs/megatron-core-on-cpu.md). The cookbook turns the fusions off without
-    CUDA (`core.model.transformer_config`), and where one of the others runs on CPU it now runs as the plain
-    PyTorch function it wraps, instead of being compiled by Inductor on its first call. Not a CUDA assumption
-    (so not one of `PATCHES`): a start-up cost. Changes nothing when megatron.core is already imported.
-    """
-    if "megatron.core" in sys.modules:
-        return
-    compile_ = torch.compile
-
-    def identity(model=None, **kwargs):
-        return model if model is not None else (lambda fn: fn)
-
-    torch.compile = identity
-    try:
-        import megatron.core  # noqa: F401  (imports megatron.core.jit and the fusions under the identity)
-    finally:
-        torch.compile = compile_
-
-
-def import_megatron_core() -> None:
-    """Import Megatron-Core as the workers do: without TorchInductor where there is no CUDA; patches not applied.
-
-    For imports in the caller's own process (a notebook kernel: `data.prepare`'s dataset builder), where the
-    import cost 3.8 s on this machine against 2.2 s without Inductor (measured in `data.prepare`'s first call).
-    """
-    if not torch.cuda.is_available():
-        _import_megatron_uncompiled()
-
-
 def apply(skip: tuple[str, ...] | None = None) -> list[str]:
     """Apply every patch once per process; a no-op (returns []) when CUDA is available.
 
@@ -414,7 +379,7 @@ def apply(skip: tuple[str, ...] | None = None) -> list[str]:
     if torch.cuda.is_available():
         _applied = []
         return _applied
-    _import_megatron_uncompiled()
+    megatron_import.without_inductor()
     check_version()
     if skip is None:
         skip = tuple(s for s in os.environ.get(SKIP_ENV, "").split(",") if s)

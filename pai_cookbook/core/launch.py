@@ -33,12 +33,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from pai_cookbook.core import nodes, runtime, worker
+from pai_cookbook.core import failures, nodes, processes, runtime, worker
+from pai_cookbook.core.failures import WorkerError
 from pai_cookbook.core.job import Job
 
-LOG_TAIL_LINES = 40
 # Warnings every CPU worker would print, advising a CUDA setting; kept out of the notebook on the CPU path only.
 CPU_BENIGN_WARNINGS = ("When using async grad allreduce",)
 # On every device: Megatron-Core's import-time notice that TE/Apex are missing (the environment report
@@ -68,17 +66,8 @@ and faulted back in page by page next step. Given to the CPU workers of jobs wit
 environment sets GLIBC_TUNABLES itself. The benchmark model's training step: 24,900 -> 3 page faults, peak RSS
 1,975 -> 1,992 MB, tokens/s +2.4% (median of 4 alternations; docs/megatron-core-on-cpu.md). Ignored by other C
 libraries."""
-TERMINATE_GRACE_S = 5.0
-"""Seconds workers get to exit after SIGTERM before SIGKILL."""
 _EVENT_DECODER = json.JSONDecoder()
-# One entry of torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: ...)".
-_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _RANK_PREFIX = re.compile(r"^\[default\d+\]:")
-# Errors a rank raises because a *peer* went away: a consequence, not the cause. A failing rank's own
-# teardown (destroy_process_group in a finally) can make its peers raise these before the failing
-# rank's exception is even recorded, so time alone cannot order them.
-SECONDARY_ERRORS = re.compile(r"Connection (reset|closed) by peer|Broken pipe|communicator was aborted|"
-                              r"DistNetworkError|Socket Timeout|NCCL watchdog", re.I)
 
 
 def benign_warnings(device: runtime.DeviceInfo) -> tuple[str, ...]:
@@ -101,20 +90,6 @@ def run_here(job: Job) -> dict[str, Any]:
             warnings.filterwarnings("ignore", message=re.escape(message))
         job.check(1, device)
         return run(job, device)
-
-
-PR_SET_PDEATHSIG = 1
-"""prctl(2)'s option: the signal a process gets when the thread that started it ends."""
-
-
-class WorkerError(RuntimeError):
-    """A worker exited non-zero; carries the failing rank and the tail of its log."""
-
-    def __init__(self, rank: int | None, exitcode: int | None, log_tail: str, log_dir: Path):
-        self.rank, self.exitcode, self.log_tail, self.log_dir = rank, exitcode, log_tail, log_dir
-        who = f"rank {rank}" if rank is not None else "a worker"
-        super().__init__(f"{who} failed (exit code {exitcode}); logs in {log_dir}\n"
-                         f"--- last lines of {who}'s log ---\n{log_tail}")
 
 
 def torchrun_argv(module: str, args: Sequence[str], nproc_per_node: int, env: runtime.LaunchEnv,
@@ -156,96 +131,6 @@ SINGLE_PROCESS_LOG = Path("single_process", "attempt_0", "0", "output.log")
 def _threads_per_worker(nproc_per_node: int) -> int:
     # 2 cores / 2 workers = 1 thread each: oversubscribed BLAS threads make CPU runs several times slower.
     return max(1, (os.cpu_count() or 1) // nproc_per_node)
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM torchrun and all its descendants, SIGKILL whatever is still alive after the grace."""
-    try:
-        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        with _ignore_gone():
-            p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(tree, timeout=TERMINATE_GRACE_S)
-    for p in alive:
-        with _ignore_gone():
-            p.kill()
-    psutil.wait_procs(alive, timeout=TERMINATE_GRACE_S)
-    try:
-        proc.wait(timeout=TERMINATE_GRACE_S)  # bounded: a launcher that cleans up must not hang itself
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-class _ignore_gone:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        return exc_type is psutil.NoSuchProcess
-
-
-def _first_failure(run_dir: Path, torchrun_output: str) -> tuple[int | None, int | None, int | None]:
-    """(rank, local_rank, exit code) of the failure that broke the run.
-
-    A rank killed by a signal (segfault, OOM killer: negative exit code other than torchrun's own
-    SIGTERM) left no Python error and is the cause; otherwise the earliest error a rank recorded
-    (`worker.entry`) that is not a lost-peer error; otherwise torchrun's own first observation.
-    """
-    failures = [tuple(int(g) for g in m.groups()) for m in _FAILURE.finditer(torchrun_output)]
-    for failure in failures:
-        if failure[2] < 0 and failure[2] != -signal.SIGTERM:
-            return failure
-    records = [r for r in map(_read_record, (run_dir / worker.ERROR_DIR).glob("rank*.json")) if r]
-    primary = [r for r in records if not SECONDARY_ERRORS.search(r["error"])]
-    if not primary:
-        # Only lost-peer errors were recorded: the rank that broke the run could not write its record (a full
-        # disk); torchrun's own error file of each failed rank may still hold its exception.
-        for rank, local_rank, code in failures:
-            message = _torchrun_error(run_dir / "logs", local_rank)
-            if message and not SECONDARY_ERRORS.search(message):
-                return rank, local_rank, code
-    if records:
-        first = min(primary or records, key=lambda r: r["time"])
-        code = next((f[2] for f in failures if f[0] == first["rank"]), 1)
-        if code == -signal.SIGTERM:
-            # It raised (the record), and torchrun, seeing a peer's secondary error first, terminated it while it
-            # was still tearing down: its exit is its exception's, as when it gets to exit on its own.
-            code = 1
-        return first["rank"], first["local_rank"], code
-    return failures[-1] if failures else (None, None, None)
-
-
-def _torchrun_error(log_dir: Path, local_rank: int) -> str | None:
-    """The exception message torchrun's error file (the worker's `@record`) holds for a local rank, newest run."""
-    files = sorted(log_dir.glob(f"*/attempt_*/{local_rank}/error.json"), key=lambda p: p.stat().st_mtime)
-    try:
-        return json.loads(files[-1].read_text())["message"]["message"] if files else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _read_record(path: Path) -> dict[str, Any] | None:
-    """A rank's error record; None for one that could not be written whole (a full disk)."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _rank_log_tail(log_dir: Path, local_rank: int | None, lines: int = LOG_TAIL_LINES) -> str:
-    """Tail of one local rank's stderr+stdout as torchrun saved them (newest attempt)."""
-    candidates = sorted(log_dir.glob(f"*/attempt_*/{local_rank if local_rank is not None else '*'}"),
-                        key=lambda p: p.stat().st_mtime)
-    chunks = [_tail(folder / name, lines) for folder in candidates[-1:] for name in ("stderr.log", "stdout.log")]
-    return "\n".join(filter(None, chunks)) or "(the rank wrote no log)"
-
-
-def _tail(path: Path, lines: int) -> str:
-    if not path.exists() or not path.stat().st_size:
-        return ""
-    return f"[{path.name}]\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 class _Progress:
@@ -315,39 +200,6 @@ def _close_quietly(log) -> None:
             log.close()
 
 
-class _Signals:
-    """While a launch runs: SIGTERM and SIGHUP raise `Terminated` in the launching thread, so the
-    launch's cleanup ends every worker; afterwards the signal is re-sent with the process's own
-    handler restored, so it ends the process as it would have without the launch."""
-
-    HANDLED = (signal.SIGTERM, signal.SIGHUP)
-
-    def __enter__(self):
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            for signum in self.HANDLED:
-                self.previous[signum] = signal.signal(signum, self._raise)
-        return self
-
-    @staticmethod
-    def _raise(signum, frame):
-        raise Terminated(signum)
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        if isinstance(exc, Terminated):
-            os.kill(os.getpid(), exc.signum)
-
-
-class Terminated(BaseException):
-    """The launcher received SIGTERM or SIGHUP; its workers have been terminated."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(f"received {signal.Signals(signum).name}; every worker was terminated")
-
-
 def launch(job: Job, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/latest",
            timeout_s: float | None = None, show_progress: bool = True, echo: bool = True,
            env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -370,7 +222,7 @@ def launch(job: Job, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/lat
         WorkerError: a worker exited non-zero; names the rank and shows its log tail.
         TimeoutError: timeout_s passed; every worker was terminated.
         KeyboardInterrupt: re-raised after every worker was terminated.
-        Terminated: SIGTERM or SIGHUP arrived; every worker was terminated, then the signal is re-sent
+        processes.Terminated: SIGTERM or SIGHUP arrived; every worker was terminated, then the signal is re-sent
             to this process with its own handler (by default it ends the process).
         nodes.NodeError: on a node other than 0 of a multi-node job, node 0 failed or never came.
     """
@@ -419,21 +271,6 @@ def user_paths() -> list[str]:
         if str(path) not in found:
             found.append(str(path))
     return found
-
-
-def _death_signal() -> Callable[[], None] | None:
-    """What the launched process runs before its program (Linux): it asks the kernel for SIGTERM when the launching
-    thread ends, however it ends (a notebook kernel restarted, the OOM killer), and torchrun then ends its workers as
-    on any SIGTERM. libc is looked up here, before the fork: the child only makes the call."""
-    if sys.platform != "linux":
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _launch_locked(job: Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: int, run_dir: str | Path,
@@ -487,17 +324,17 @@ def _launch_locked(job: Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
         if echo:
             print(line, flush=True)
 
-    with _Signals():
+    with processes.Signals():
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
                                 start_new_session=True,  # own process group: a notebook interrupt reaches us only
-                                preexec_fn=_death_signal())
+                                preexec_fn=processes.death_signal())
         reader = threading.Thread(target=_stream, args=(proc, on_line, single_log), daemon=True)
         started = time.monotonic()
         try:
             reader.start()  # inside the try: an interrupt from here on ends the workers too
             while proc.poll() is None:
                 if timeout_s is not None and time.monotonic() - started > timeout_s:
-                    _terminate(proc)
+                    processes.terminate(proc)
                     raise TimeoutError(f"{job.WORKER} ran past timeout_s={timeout_s}; all workers were terminated. "
                                        f"Logs in {log_dir}")
                 time.sleep(0.1)
@@ -505,20 +342,20 @@ def _launch_locked(job: Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGTERM)
         except BaseException:
-            _terminate(proc)
+            processes.terminate(proc)
             raise
         finally:
             if reader.ident is not None:  # started
-                reader.join(timeout=TERMINATE_GRACE_S)
+                reader.join(timeout=processes.TERMINATE_GRACE_S)
             progress.close()
 
     if proc.returncode != 0:
         if single:
-            raise WorkerError(0, proc.returncode, _tail(single_log, LOG_TAIL_LINES) or "(the rank wrote no log)",
-                              log_dir)
-        rank, local_rank, code = _first_failure(run_dir, "\n".join(output))
+            tail = failures.tail(single_log, failures.LOG_TAIL_LINES) or "(the rank wrote no log)"
+            raise WorkerError(0, proc.returncode, tail, log_dir)
+        rank, local_rank, code = failures.first_failure(run_dir, "\n".join(output))
         raise WorkerError(rank, code if code is not None else proc.returncode,
-                          _rank_log_tail(log_dir, local_rank), log_dir)
+                          failures.rank_log_tail(log_dir, local_rank), log_dir)
     result_file = run_dir / worker.RESULT_FILE
     result = json.loads(result_file.read_text()) if result_file.exists() else {}
     result["events"] = progress.events

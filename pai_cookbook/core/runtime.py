@@ -1,17 +1,14 @@
 """Where the cookbook runs: device, communication backend, launch environment, distributed setup.
 
 Three questions are answered here and nowhere else:
-- *Which hardware path?* CUDA present -> NCCL, Transformer Engine when importable, bf16/FP8 where the
-  GPU has them. No CUDA -> gloo and Megatron-Core's local (pure PyTorch) layers, with the CPU
-  compatibility layer (`pai_cookbook.compat`) applied once before any model is built.
+- *Which hardware path?* CUDA -> NCCL, Transformer Engine when importable, bf16/FP8 where the GPU has them. No
+  CUDA -> gloo, with the CPU compatibility layer (`core.compat`) applied once before any model is built.
 - *Which layers does a run build?* (`choose_layers`, recorded as `DeviceInfo.layers`): Transformer Engine's spec
-  (CUDA with TE), Megatron-Core's local spec as upstream ships it (CUDA without TE, or any machine where
-  `PAI_COOKBOOK_LAYERS=local`), or that local spec plus the cookbook's CPU speed converters (`pai_cookbook.cpu`,
-  a CPU's default). `layer_record` names what each path adds to upstream's spec; every result carries it.
-- *Which launch environment?* A single machine (a notebook in PAI-DSW, a laptop, CI) gets a free local
-  rendezvous port. A multi-node job (PAI-DLC and other schedulers) is recognised by the scheduler's
-  MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, where WORLD_SIZE counts *nodes* and RANK is the node
-  index (the convention of PAI-DLC PyTorch jobs and of the seed project's launch scripts).
+  (CUDA with TE), Megatron-Core's local spec (CUDA without TE, or `PAI_COOKBOOK_LAYERS=local`), or that plus the
+  CPU converters (`pai_cookbook.cpu`, a CPU's default); `layer_record` names what each path adds; results carry it.
+- *Which launch environment?* A single machine (PAI-DSW, a laptop, CI) gets a free local rendezvous port; a
+  multi-node job (PAI-DLC) is recognised by MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, where WORLD_SIZE
+  counts *nodes* and RANK is the node index (PAI-DLC's PyTorch jobs and the seed project's launch scripts).
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import os
 import platform
 import random
 import socket
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -401,78 +397,3 @@ def environment_report() -> dict[str, Any]:
     return {"python": platform.python_version(), "versions": versions, "device": asdict(device),
             "launch": asdict(launch) | {"kind": "multi-node job" if launch.multi_node else "single machine"},
             "runs_here": runs_here}
-
-
-DATASHEET_DENSE_TFLOPS: dict[str, dict[str, float]] = {
-    # NVIDIA's datasheet figures without sparsity, TFLOP/s per GPU. Keys are matched against
-    # `torch.cuda.get_device_name()` (e.g. "NVIDIA H100 80GB HBM3"), the more specific first.
-    "H100 PCIe": {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
-    "H100 NVL": {"fp8": 1671.0, "bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
-    "H100": {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
-    "H800 PCIe": {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
-    "H800": {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
-    "H200 NVL": {"fp8": 1671.0, "bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
-    "H200": {"fp8": 1979.0, "bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
-    "H20": {"fp8": 296.0, "bf16": 148.0, "fp16": 148.0, "fp32": 44.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "A800": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "L40S": {"fp8": 733.0, "bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
-    "B200": {"fp8": 4500.0, "bf16": 2250.0, "fp16": 2250.0, "fp32": 80.0},
-}
-"""Dense peak TFLOP/s by GPU and the precision of a run's GEMMs (fp8 where Transformer Engine runs them in FP8)."""
-
-
-def datasheet_peak_flops(device_name: str, precision: str) -> float | None:
-    """The datasheet's dense peak FLOP/s of one GPU named `device_name` (as torch names it) for `precision`
-    ("fp8", "bf16", "fp16", "fp32"), or None for a GPU (or a CPU) the table does not know: MFU as the field reports
-    it divides model FLOP/s by this figure."""
-    name = device_name.upper()
-    for gpu, peaks in DATASHEET_DENSE_TFLOPS.items():
-        if gpu.upper() in name:
-            tflops = peaks.get(precision)
-            return None if tflops is None else tflops * 1e12
-    return None
-
-
-def model_flops_utilization(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -> float | None:
-    """Model FLOP/s (`tokens_per_s` x `flops_per_token`) over `peak_flops` (None where that peak is unknown)."""
-    return None if not peak_flops else tokens_per_s * flops_per_token / peak_flops
-
-
-PEAK_MATMUL_SIZE = 8192
-"""Largest square matmul the measured peak uses: big enough to saturate a GPU (an H100 reached 410 TFLOP/s in bf16
-at 2048 and 786 at 8192). On a CPU the doubling stops far earlier, on time."""
-PEAK_MIN_SIZE = 256
-PEAK_MEASURE_S = 0.5
-
-
-def measure_matmul_peak(dtype: torch.dtype = torch.float32, seconds: float = PEAK_MEASURE_S) -> float:
-    """Dense matmul FLOP/s this process reaches (its device and threads), measured for `seconds`.
-
-    Reported beside MFU under its own name (`mfu_of_measured_peak`): the fraction of what this hardware's own
-    largest matmul reaches, the only peak a CPU has (there is no datasheet figure for it). The matrix size doubles
-    from 256 until one matmul takes a tenth of `seconds` (or reaches `PEAK_MATMUL_SIZE`): a 2048 bf16 matmul takes
-    64 s on a 2-core CPU without bf16 kernels (measured), which a fixed size spent before every bf16 run.
-    """
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def timed(a, b) -> float:
-        start = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    size = PEAK_MIN_SIZE
-    while True:
-        a = torch.randn(size, size, dtype=dtype, device=device)
-        b = torch.randn_like(a)
-        timed(a, b)  # warm-up
-        if size >= PEAK_MATMUL_SIZE or timed(a, b) > seconds / 10:
-            break
-        size *= 2
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        timed(a, b)
-        runs += 1
-    return runs * 2 * size ** 3 / (time.perf_counter() - start)

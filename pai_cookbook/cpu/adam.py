@@ -20,7 +20,7 @@ def fuse_adam(optimizer) -> None:
     2 cores) the optimizer step drops from about 65 to 32 ms. Its arithmetic is the loop's in another order, so
     parameters differ in the last bits (4.8e-7 after six steps in a probe), as TE's fused Adam differs from
     both. Applied to every group of every torch Adam under `optimizer` (chained, mixed precision or distributed)
-    whose parameters are on CPU; again after a checkpoint's load (`workers.train`, where the optimizer carries
+    whose parameters are on CPU; again after a checkpoint's load (`workers.run_state`, where the optimizer carries
     `FUSED_MARK`), whose saved groups carry their own `fused`.
     """
     for inner in checkpoint.chained_optimizers(optimizer):

@@ -5,7 +5,7 @@ Its job is a `pai_cookbook.reward_model.RewardModelJob`. Every step draws `globa
 over the pair set, each in an order seeded by (seed, pass)), gives each data-parallel rank its share and
 runs them as micro-batches of `micro_batch_size` pairs: the chosen sequences, then the rejected ones, right-
 padded to one width. The model's scores at each sequence's last token make the pair's loss; the loss is
-summed and scaled to its share of the global per-pair mean (`workers.train._per_token_scale` with one
+summed and scaled to its share of the global per-pair mean (`workers.training.per_token_scale` with one
 count per pair). Held-out pairs are scored forward-only; their accuracy is the share of pairs whose chosen
 sequence scores higher.
 """
@@ -20,7 +20,7 @@ import torch
 
 from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.reward_model import RewardModelJob
-from pai_cookbook.workers import train as trainer
+from pai_cookbook.workers import run_state, training
 
 Pair = tuple[list[int], list[int], float]
 """(chosen ids, rejected ids, margin)"""
@@ -55,7 +55,7 @@ def micro_batches(job: RewardModelJob, pairs: list[Pair]) -> list[dict[str, torc
 
 def _forward(data_iterator, model):
     batch = next(data_iterator)
-    return trainer.model_forward(model, batch, labels=False), partial(_pair_loss, batch)
+    return training.model_forward(model, batch, labels=False), partial(_pair_loss, batch)
 
 
 def _pair_loss(batch: dict[str, Any], output: torch.Tensor):
@@ -74,7 +74,7 @@ def _pair_loss(batch: dict[str, Any], output: torch.Tensor):
 def run_pairs(job: RewardModelJob, model, batches: list[dict[str, Any]], forward_only: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    scale = trainer._per_token_scale(batches)
+    scale = training.per_token_scale(batches)
     batches = [b | {"loss_scale": scale} for b in batches]
     return get_forward_backward_func()(
         forward_step_func=_forward, data_iterator=iter(batches), model=model[0], num_microbatches=len(batches),
@@ -83,7 +83,7 @@ def run_pairs(job: RewardModelJob, model, batches: list[dict[str, Any]], forward
 
 
 def _figures(reports) -> dict[str, float]:
-    total, correct, margin, count = trainer.global_sums(reports, "pairs", 4).tolist()
+    total, correct, margin, count = training.global_sums(reports, "pairs", 4).tolist()
     count = max(count, 1.0)
     return {"loss": total / count, "accuracy": correct / count, "margin": margin / count}
 
@@ -101,20 +101,20 @@ def evaluate(job: RewardModelJob, model) -> tuple[dict[str, float], list[list[fl
         reports = run_pairs(job, model, micro_batches(job, pairs[:usable]), forward_only=True)
     for chunk in model:
         chunk.train()
-    scores = trainer.gather_rows(torch.cat([r["scores"] for r in reports]).tolist() if reports else None)
+    scores = training.gather_rows(torch.cat([r["scores"] for r in reports]).tolist() if reports else None)
     return _figures(reports) | {"pairs": usable}, scores
 
 
 def train(job: RewardModelJob, device) -> dict[str, Any]:
     config = job.run
-    model, optimizer, scheduler = trainer.build(config, device, head="reward")
-    first_step, started_from = trainer._restore(config, model, optimizer, scheduler)
+    model, optimizer, scheduler = training.build(config, device, head="reward")
+    first_step, started_from = run_state.restore(config, model, optimizer, scheduler)
     ckpt = config.checkpoint
-    log = trainer.StepLog(config, device, fresh=first_step == 0)
+    log = run_state.StepLog(config, device, fresh=first_step == 0)
     history, valid, scores, saved = [], [], [], None
     interval, pairs = job.rm.eval_interval, pairs_of(job, "train")
     for step in range(first_step, config.train_iters):
-        indices = trainer.seeded_passes(len(pairs), step, job.rm.global_batch_size, config.seed)
+        indices = run_state.seeded_passes(len(pairs), step, job.rm.global_batch_size, config.seed)
         batches = micro_batches(job, [pairs[i] for i in indices])
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -129,7 +129,7 @@ def train(job: RewardModelJob, device) -> dict[str, Any]:
             held_out, scores = evaluate(job, model)
             valid.append({"step": done} | held_out)
             figures |= {"valid_loss": held_out["loss"], "valid_accuracy": held_out["accuracy"]}
-        saved = trainer.save_if_due(config, model, optimizer, scheduler, done,
+        saved = run_state.save_if_due(config, model, optimizer, scheduler, done,
                                     Path(ckpt.load_dir) / checkpoint.HF_ASSETS) or saved
         history.append(figures)
         log.write(done, figures)

@@ -15,7 +15,7 @@ Its job is a `pai_cookbook.rlhf.RLJob` (PPO when its config is a PPOConfig). One
 4. Advantages. GRPO: each completion's reward against its group's. PPO: per-token rewards (-kl_coef x KL to
    the reference, plus the score on the last token), GAE over the critic's values, whitened over the batch.
 5. `epochs` optimizer steps on the clipped surrogate (+ kl_coef x KL for GRPO, whose KL is a loss), per token
-   over the whole batch (the training worker's `_per_token_scale`); PPO's critic takes a step on the clipped
+   over the whole batch (`workers.training.per_token_scale`); PPO's critic takes a step on the clipped
    value loss after each. PPO's adaptive controller then moves kl_coef.
 Per-token log-probabilities are Megatron-Core's own: the GPT model's per-token cross entropy with the labels
 (vocabulary-parallel at TP > 1), negated.
@@ -26,28 +26,38 @@ from __future__ import annotations
 import json
 import os
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pai_cookbook import rl, rlhf
-from pai_cookbook.core import checkpoint, runtime, worker
+from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.core.model import build_model, torch_dtype
 from pai_cookbook.core.tokenizer import MegatronView
 from pai_cookbook.generate import GenerationConfig
 from pai_cookbook.rl import RLError
 from pai_cookbook.rlhf import RLJob
-from pai_cookbook.workers import generate as engine_worker
-from pai_cookbook.workers import train as trainer
+from pai_cookbook.workers import engine as inference
+from pai_cookbook.workers import run_state, training
+from pai_cookbook.workers.rl_updates import (
+    forward_only,
+    logprobs,
+    max_over_world,
+    micro_batches,
+    ppo_advantages,
+    read_score,
+    read_values,
+    rows,
+    update,
+)
 
 _SEED_STRIDE = 1_000_003
 
 
 def step_prompts(job: RLJob, step: int) -> list[int]:
     """The prompt indices of step `step`: passes over the prompt set, each pass in an order seeded by (seed, pass)."""
-    return trainer.seeded_passes(len(job.prompt_ids), step, job.config.prompts_per_step, job.config.seed)
+    return run_state.seeded_passes(len(job.prompt_ids), step, job.config.prompts_per_step, job.config.seed)
 
 
 def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], group_size: int, seed: int,
@@ -64,8 +74,8 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
     ids = [prompt_ids[prompt] for prompt, _ in rows]
     controller.sampling_rng.manual_seed(seed)
     # On the CPU path, packed from the weights as they are now: the policy trains between two calls (cpu.linear).
-    with engine_worker.decoding_weights(engine, rows=len(ids)):
-        done = engine_worker.generate_batch(engine, ids, params, vocab_size=job.run.model.vocab_size,
+    with inference.decoding_weights(engine, rows=len(ids)):
+        done = inference.generate_batch(engine, ids, params, vocab_size=job.run.model.vocab_size,
                                             repetition_penalty=1.0, eos_ids=job.eos_ids, stop=[],
                                             max_new_tokens=job.config.max_new_tokens, track_logprobs=True)
     out = []
@@ -73,7 +83,7 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
         tokens = request.generated_tokens.tolist()
         width = controller.prompt_lengths[row]  # the prompt, left-padded to the batch's longest where it is
         finish = controller.finish[row]
-        if finish == engine_worker.FINISH_EOS:  # the end token ends the row uncounted; the policy must learn it
+        if finish == inference.FINISH_EOS:  # the end token ends the row uncounted; the policy must learn it
             end = int(controller.tokens[row, width + len(tokens)])
             if end not in job.eos_ids:
                 raise RuntimeError(f"row {row} finished on an end token, but {end} is not one of {job.eos_ids}: "
@@ -111,205 +121,8 @@ def rewards(job: RLJob, reward_model, rollouts: list[dict[str, Any]], prompt_ids
     if reward_model is None:
         return _function_scores(job.reward, rollouts, records, hf_tokenizer)
     batches = micro_batches(job, rows(job, rollouts, prompt_ids))
-    scores = _forward_only(reward_model, job, batches, _read_score)
-    return trainer.gather_rows(torch.cat(scores).tolist() if scores else None)
-
-
-def _read_score(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
-    return output[torch.arange(output.shape[0], device=output.device), batch["end"].to(output.device), 0].float()
-
-
-def _read_values(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
-    return output[..., 0].float()
-
-
-def _read_logprobs(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
-    return -output.float()
-
-
-def rows(job: RLJob, rollouts: list[dict[str, Any]], prompt_ids: list[list[int]]) -> dict[str, torch.Tensor]:
-    """[rows, longest prompt + max_new_tokens] training rows: prompt + completion, labels shifted by one,
-    `loss_mask` on the positions that predict a completion token, `end` the last token's position, the
-    engine's log-probabilities of the same tokens (`engine_mask`: where the rollout has them)."""
-    n, width = len(rollouts), job.run.data.seq_length
-    tokens = torch.full((n, width), job.pad_id, dtype=torch.long)
-    labels = torch.full((n, width), job.pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(n, width)
-    engine = torch.zeros(n, width)
-    engine_mask = torch.zeros(n, width)
-    end = torch.zeros(n, dtype=torch.long)
-    for row, rollout in enumerate(rollouts):
-        prompt = prompt_ids[rollout["prompt"]]
-        sequence = prompt + rollout["tokens"]
-        tokens[row, :len(sequence)] = torch.tensor(sequence)
-        labels[row, :len(sequence) - 1] = torch.tensor(sequence[1:])
-        loss_mask[row, len(prompt) - 1:len(sequence) - 1] = 1.0
-        end[row] = len(sequence) - 1
-        sampled = rollout.get("engine_logprobs") or []
-        engine[row, len(prompt) - 1:len(prompt) - 1 + len(sampled)] = torch.tensor(sampled)
-        engine_mask[row, len(prompt) - 1:len(prompt) - 1 + len(sampled)] = 1.0
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "end": end, "engine_logprobs": engine,
-            "engine_mask": engine_mask}
-
-
-def micro_batches(job: RLJob, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's share of the batch's rows, in micro-batches."""
-    from megatron.core import parallel_state as ps
-
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    per_rank = batch["tokens"].shape[0] // dp_size
-    mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in batch.items()}
-    size = job.config.micro_batch_size
-    out = []
-    for start in range(0, per_rank, size):
-        mb = {k: v[start:start + size] for k, v in mine.items()}
-        mb["loss_count"] = mb["loss_mask"].sum()
-        out.append(mb)
-    return out
-
-
-def _keep_forward(read, data_iterator, model):
-    batch = next(data_iterator)
-    return trainer.model_forward(model, batch, labels=read is _read_logprobs), partial(_keep, read, batch)
-
-
-def _keep(read, batch: dict[str, Any], output: torch.Tensor):
-    return output.sum() * 0.0, {"kept": read(batch, output).detach()}
-
-
-def _forward_only(model: list[torch.nn.Module], job: RLJob, batches: list[dict[str, torch.Tensor]],
-                  read) -> list[torch.Tensor]:
-    """`read(batch, output)` of each micro-batch, without gradients (on the last pipeline stage; an empty list
-    on the others): log-probabilities of the labels, values, or scores."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    modes = [chunk.training for chunk in model]  # frozen models stay in eval mode
-    for chunk in model:
-        chunk.eval()
-    with torch.no_grad():
-        stored = get_forward_backward_func()(
-            forward_step_func=partial(_keep_forward, read), data_iterator=iter(batches), model=model[0],
-            num_microbatches=len(batches), seq_length=job.run.data.seq_length,
-            micro_batch_size=job.config.micro_batch_size, decoder_seq_length=job.run.data.seq_length, forward_only=True)
-    for chunk, training in zip(model, modes):
-        chunk.train(training)
-    return [s["kept"].cpu() for s in stored]
-
-
-def logprobs(model: list[torch.nn.Module], job: RLJob, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """Per-token log-probabilities of each micro-batch's labels, without gradients (last pipeline stage)."""
-    return _forward_only(model, job, batches, _read_logprobs)
-
-
-def _policy_forward(data_iterator, model):
-    batch = next(data_iterator)
-    return trainer.model_forward(model, batch), partial(_policy_loss, batch)
-
-
-def _policy_loss(batch: dict[str, Any], output: torch.Tensor):
-    """The clipped surrogate + kl_coef x KL of the micro-batch's completion tokens, summed and scaled to its
-    share of the global per-token mean; the sums behind the logged figures."""
-    logprobs = -output.float()
-    mask = batch["loss_mask"].to(logprobs)
-    surrogate, clipped = rl.clipped_surrogate(logprobs, batch["old_logprobs"].to(logprobs),
-                                              batch["advantages"].to(logprobs), batch["clip"])
-    kl = rl.kl(logprobs, batch["ref_logprobs"].to(logprobs), batch["kl_estimator"])
-    total = ((surrogate + batch["kl_loss_coef"] * kl) * mask).sum()
-    report = torch.stack([total, (surrogate * mask).sum(), (kl * mask).sum(), (clipped * mask).sum(), mask.sum()])
-    return total * batch["loss_scale"], {"policy": report.detach()}
-
-
-def _value_forward(data_iterator, model):
-    batch = next(data_iterator)
-    return trainer.model_forward(model, batch, labels=False), partial(_value_loss, batch)
-
-
-def _value_loss(batch: dict[str, Any], output: torch.Tensor):
-    """PPO's clipped value loss of the micro-batch's completion tokens, summed and scaled like the policy's."""
-    values = _read_values(batch, output)
-    mask = batch["loss_mask"].to(values)
-    error, clipped = rl.clipped_value_error(values, batch["old_values"].to(values), batch["returns"].to(values),
-                                            batch["value_clip"])
-    total = (error * mask).sum()
-    return total * batch["loss_scale"], {"value": torch.stack([total, (clipped * mask).sum(), mask.sum()]).detach()}
-
-
-def _max_over_world(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=runtime.collective_device())
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return float(tensor.item())
-
-
-def _optimizer_step(job: RLJob, model, optimizer, scheduler, batches, forward) -> tuple[list[dict], float]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    stored = get_forward_backward_func()(
-        forward_step_func=forward, data_iterator=iter(batches), model=model[0], num_microbatches=len(batches),
-        seq_length=job.run.data.seq_length, micro_batch_size=job.config.micro_batch_size,
-        decoder_seq_length=job.run.data.seq_length, forward_only=False)
-    _, grad_norm, _ = optimizer.step()
-    scheduler.step(increment=1)
-    return stored, float(grad_norm or 0.0)
-
-
-def update(job: RLJob, model, optimizer, scheduler, batches: list[dict[str, Any]], critic=None) -> list[dict[str, float]]:
-    """`epochs` optimizer steps on the batch (and, with a critic, a critic step after each); per step the
-    losses, their parts and the gradient norms."""
-    g = job.config
-    scale = trainer._per_token_scale(batches)
-    batches = [b | {"loss_scale": scale, "clip": g.clip, "kl_estimator": g.kl_estimator,
-                    "kl_loss_coef": 0.0 if job.ppo is not None else g.kl_coef,  # PPO's KL is in the reward
-                    "value_clip": getattr(g, "value_clip", 0.0)} for b in batches]
-    figures = []
-    for _ in range(g.epochs):
-        stored, grad_norm = _optimizer_step(job, model, optimizer, scheduler, batches, _policy_forward)
-        total, surrogate, kl, clipped, count = trainer.global_sums(stored, "policy", 5).tolist()
-        count = max(count, 1.0)
-        figure = {"loss": total / count, "policy_loss": surrogate / count, "kl": kl / count,
-                  "clip_fraction": clipped / count, "grad_norm": grad_norm}
-        if critic is not None:
-            stored, grad_norm = _optimizer_step(job, *critic, batches, _value_forward)
-            total, clipped, count = trainer.global_sums(stored, "value", 3).tolist()
-            count = max(count, 1.0)
-            figure |= {"value_loss": total / count, "value_clip_fraction": clipped / count,
-                       "critic_grad_norm": grad_norm}
-        figures.append(figure)
-    return figures
-
-
-def ppo_advantages(job: RLJob, batches: list[dict[str, Any]], kl_coef: float) -> dict[str, float]:
-    """PPO's per-token rewards, GAE advantages and returns of each micro-batch (in place, on the last pipeline
-    stage: `old_logprobs`, `ref_logprobs`, `old_values` and `score` are there); the advantages whitened over
-    the global batch. Returns the global figures: the KL per completion and the critic's explained variance."""
-    from megatron.core import parallel_state as ps
-
-    g = job.config
-    sums = []
-    for mb in batches:
-        mask = mb["loss_mask"]
-        kl = rl.kl(mb["old_logprobs"], mb["ref_logprobs"], g.kl_estimator) * mask
-        token_rewards = -kl_coef * kl
-        token_rewards[torch.arange(mask.shape[0]), mb["end"] - 1] += mb["score"]  # the last completion token
-        advantages, returns = rl.gae(token_rewards, mb["old_values"], mask, g.gamma, g.lam)
-        residual = (returns - mb["old_values"]) * mask
-        mb["advantages"], mb["returns"] = advantages, returns
-        sums.append({"ppo": torch.stack([advantages.sum(), (advantages ** 2).sum(), mask.sum(), kl.sum(),
-                                         torch.tensor(float(mask.shape[0])), returns.sum(), (returns ** 2).sum(),
-                                         residual.sum(), (residual ** 2).sum()]).double()})
-    last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-    a1, a2, count, kl, completions, r1, r2, e1, e2 = trainer.global_sums(sums if last_stage else [], "ppo", 9).tolist()
-    count = max(count, 1.0)
-    if g.whiten_advantages:
-        mean, variance = a1 / count, (a2 - a1 * a1 / count) / max(count - 1, 1.0)
-        for mb in batches:
-            mb["advantages"] = rl.whiten(mb["advantages"], mb["loss_mask"], (mean, variance))
-    returns_variance = r2 / count - (r1 / count) ** 2
-    residual_variance = e2 / count - (e1 / count) ** 2
-    return {"kl_sequence": kl / max(completions, 1.0),
-            "explained_variance": 1 - residual_variance / returns_variance if returns_variance > 0 else None}
+    scores = forward_only(reward_model, job, batches, read_score)
+    return training.gather_rows(torch.cat(scores).tolist() if scores else None)
 
 
 def rl_step(job: RLJob, step: int, model, reference, optimizer, scheduler, engine, hf_tokenizer,
@@ -340,7 +153,7 @@ def rl_step(job: RLJob, step: int, model, reference, optimizer, scheduler, engin
     batches = micro_batches(job, batch)
     old = logprobs(model, job, batches)
     ref = logprobs(reference, job, batches)
-    values = _forward_only(critic[0], job, batches, _read_values) if critic is not None else []
+    values = forward_only(critic[0], job, batches, read_values) if critic is not None else []
     difference = 0.0
     for mb, lp in zip(batches, old):  # last pipeline stage only: the others hold no log-probabilities
         mask = mb["engine_mask"] > 0
@@ -360,11 +173,11 @@ def rl_step(job: RLJob, step: int, model, reference, optimizer, scheduler, engin
         "reward_std": float(torch.tensor(scores, dtype=torch.float64).std()) if len(scores) > 1 else 0.0,
         "true_reward": sum(true) / len(true) if true else None,
         "kl_before_update": updates[0]["kl"],
-        "logprob_diff": _max_over_world(difference) if replay is None else None,  # replayed: no engine ran
+        "logprob_diff": max_over_world(difference) if replay is None else None,  # replayed: no engine ran
         "completion_length": sum(lengths) / len(lengths),
         # the policy's next-token entropy at each sampled token (nats), from the engine's logits
         "entropy": _mean([e for r in rollouts for e in r.get("entropy", [])]),
-        "ended": sum(r["finish"] == engine_worker.FINISH_EOS for r in rollouts) / len(rollouts),
+        "ended": sum(r["finish"] == inference.FINISH_EOS for r in rollouts) / len(rollouts),
         "rollout_seconds": sampled - start, "seconds": time.perf_counter() - start}
     if job.ppo is None:
         figures["zero_advantage_groups"] = _flat_groups(scores, [r["group"] for r in rollouts])
@@ -423,8 +236,8 @@ def _frozen(run, model_config, ckpt: str, device, head: str = "lm") -> list[torc
 
 def _critic(job: RLJob, device, first_step: int):
     """PPO's critic (model, optimizer, scheduler), restored to the policy's step."""
-    model, optimizer, scheduler = trainer.build(job.critic, device, head="reward")
-    step, source = trainer._restore(job.critic, model, optimizer, scheduler)
+    model, optimizer, scheduler = training.build(job.critic, device, head="reward")
+    step, source = run_state.restore(job.critic, model, optimizer, scheduler)
     if step != first_step:
         raise RuntimeError(f"the policy resumes at step {first_step} but its critic ({source}) at step {step}; "
                            f"a run stopped between the two saves. Remove {job.critic.checkpoint.save_dir}'s and the "
@@ -434,8 +247,8 @@ def _critic(job: RLJob, device, first_step: int):
 
 def train(job: RLJob, device) -> dict[str, Any]:
     config, g = job.run, job.config
-    model, optimizer, scheduler = trainer.build(config, device)
-    first_step, started_from = trainer._restore(config, model, optimizer, scheduler)
+    model, optimizer, scheduler = training.build(config, device)
+    first_step, started_from = run_state.restore(config, model, optimizer, scheduler)
     reference = _frozen(config, config.model, job.reference, device)
     reward_model = _frozen(config, job.reward_model_config, job.reward_model, device, head="reward") \
         if job.reward_model else None
@@ -445,12 +258,12 @@ def train(job: RLJob, device) -> dict[str, Any]:
         controller.coef = checkpoint.read_state(started_from).get("kl_coef", g.kl_coef)
     hf_tokenizer = checkpoint.load_tokenizer(config.checkpoint.load_dir)
     dtype = torch_dtype(config.precision)
-    engine = engine_worker.build_engine(
+    engine = inference.build_engine(
         model[0].module, config.model, MegatronView(hf_tokenizer, job.eos_ids),
         GenerationConfig(batch_size=max(g.rows, len(job.eval_ids) * g.eval_samples), max_new_tokens=g.max_new_tokens),
         config.data.seq_length, config.parallel, dtype, device)
     replay = _replay(g.rollouts)
-    log = trainer.StepLog(config, device, fresh=first_step == 0)
+    log = run_state.StepLog(config, device, fresh=first_step == 0)
     run_dir = os.environ.get(worker.RUN_DIR_ENV)
     files = {name: worker.open_log(Path(run_dir) / f"{name}.jsonl", first_step == 0)
              for name in ("rollouts", "evals")} if run_dir and worker.rank() == 0 else {}
@@ -477,10 +290,10 @@ def train(job: RLJob, device) -> dict[str, Any]:
         done = step + 1
         if controller is not None and g.kl_target is not None:
             controller.update(figures["kl_sequence"], g.rows)
-        saved = trainer.save_if_due(config, model, optimizer, scheduler, done,
+        saved = run_state.save_if_due(config, model, optimizer, scheduler, done,
                                     Path(ckpt.load_dir) / checkpoint.HF_ASSETS, **_saved_state(job, controller)) or saved
         if critic is not None:
-            trainer.save_if_due(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
+            run_state.save_if_due(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
         if done == g.steps or (g.eval_interval and done % g.eval_interval == 0):
             held_out(done)
         history.append(figures)
@@ -504,7 +317,7 @@ def train(job: RLJob, device) -> dict[str, Any]:
 
 def _saved_state(job: RLJob, controller) -> dict[str, Any]:
     """What an RL checkpoint keeps beside its weights: the reward it was trained with (a resume with another is
-    refused: `rlhf._check_resumed_reward`) and PPO's KL coefficient."""
+    refused: `rlhf.run`) and PPO's KL coefficient."""
     return {"reward": job.reward} | ({"kl_coef": controller.coef} if controller is not None else {})
 
 
@@ -516,10 +329,10 @@ def _save_before_stopping(job: RLJob, done: int, model, optimizer, scheduler, cr
     if not ckpt.save_dir or done == 0:
         return "No step had finished; nothing was saved."
     if saved is None or Path(saved) != checkpoint.iteration_dir(ckpt.save_dir, done):
-        saved = trainer.save_now(config, model, optimizer, scheduler, done, Path(ckpt.load_dir) / checkpoint.HF_ASSETS,
+        saved = run_state.save_now(config, model, optimizer, scheduler, done, Path(ckpt.load_dir) / checkpoint.HF_ASSETS,
                                  **_saved_state(job, controller))
         if critic is not None:
-            trainer.save_now(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
+            run_state.save_now(job.critic, *critic, done, Path(job.critic.checkpoint.load_dir) / checkpoint.HF_ASSETS)
     return f"The {done} steps finished are saved in {saved}; fix the reward and run the same call again to resume."
 
 

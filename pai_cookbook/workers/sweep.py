@@ -13,7 +13,7 @@ from typing import Any
 
 from pai_cookbook.core import runtime, worker
 from pai_cookbook.train import Sweep
-from pai_cookbook.workers.train import train
+from pai_cookbook.workers.training import train
 
 
 @worker.entry(Sweep)

@@ -42,7 +42,7 @@ from pai_cookbook.core.config import RunConfig
 from pai_cookbook.core.job import Job
 from pai_cookbook.core.model import build_model
 from pai_cookbook.core.model_config import ConfigError
-from pai_cookbook.workers.train import train
+from pai_cookbook.workers.training import train
 
 SCENARIOS: dict[str, tuple[Callable[..., dict], str]] = {"train": (train, "config, device")}
 """Every scenario by name (a test names it in `Scenario(scenario=...)`), with what it takes: "config", "config,
@@ -121,7 +121,7 @@ def _random_packed(config: RunConfig, generator: torch.Generator, lengths: list[
 @scenario("config, device")
 def packed_logits(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
-    from pai_cookbook.workers.train import model_forward, uses_te_attention
+    from pai_cookbook.workers.training import model_forward, uses_te_attention
 
     generator = torch.Generator().manual_seed(config.seed)
     lengths = [9, 17, 5, 30, 12, 21, 7, 14]
@@ -151,7 +151,7 @@ def packed_logits(config: RunConfig, device) -> dict:
 def attention(config: RunConfig, device) -> dict:
     import dataclasses
 
-    from pai_cookbook.workers.train import model_forward
+    from pai_cookbook.workers.training import model_forward
 
     generator = torch.Generator().manual_seed(config.seed)
     tokens = torch.randint(0, config.model.vocab_size, (3, config.data.seq_length), generator=generator)
@@ -180,7 +180,7 @@ def training_ops(configs: list[RunConfig], device) -> dict:
     import megatron.core.transformer.attention as megatron_attention
 
     from pai_cookbook.cpu import glu
-    from pai_cookbook.workers.train import model_forward
+    from pai_cookbook.workers.training import model_forward
 
     calls = {"megatron_rotary": 0, "swiglu": 0}
 
@@ -222,7 +222,7 @@ def training_ops(configs: list[RunConfig], device) -> dict:
 def token_losses(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
     from pai_cookbook.core import checkpoint
-    from pai_cookbook.workers.train import model_forward, uses_te_attention
+    from pai_cookbook.workers.training import model_forward, uses_te_attention
 
     model, _ = checkpoint.read_config(config.checkpoint.load_dir)
     (gpt,) = build_model(model, config.parallel, config.precision, device, config.seed)
@@ -238,13 +238,14 @@ def token_losses(config: RunConfig, device) -> dict:
 
 @scenario("config, device")
 def fp8_scales(config: RunConfig, device) -> dict:
-    from pai_cookbook.workers.train import _forward_backward, _restore, build, micro_batches
+    from pai_cookbook.workers.run_state import restore
+    from pai_cookbook.workers.training import build, forward_backward, micro_batches
 
     model, optimizer, scheduler = build(config, device)
-    _restore(config, model, optimizer, scheduler)
+    restore(config, model, optimizer, scheduler)
     batch = micro_batches(config, None, 0)[:1]
     for _ in range(2):  # the second pass runs at the scales the first one's amaxes gave (same batch, same amax)
-        _forward_backward(config, model, batch, forward_only=False)
+        forward_backward(config, model, batch, forward_only=False)
     scales = {}
     for chunk in model:
         for layer in chunk.module.decoder.layers:
@@ -263,13 +264,13 @@ def fp8_scales(config: RunConfig, device) -> dict:
 @scenario("layouts")
 def grads(configs: list[RunConfig]) -> dict:
     from pai_cookbook import sft
-    from pai_cookbook.workers.train import _forward_backward, _global_mean_loss, build, micro_batches
+    from pai_cookbook.workers.training import build, forward_backward, global_mean_loss, micro_batches
 
     out = []
     for config, device in zip(configs, runtime.each_layout((c.parallel, c.seed) for c in configs)):
         model, _, _ = build(config, device)
         rows = sft.load(config.data.paths[0], "train")
-        loss = _global_mean_loss(_forward_backward(config, model, micro_batches(config, rows, 0), False))
+        loss = global_mean_loss(forward_backward(config, model, micro_batches(config, rows, 0), False))
         flat = torch.cat([p.main_grad.detach().float().view(-1) for p in model[0].module.parameters()])
         out.append({"loss": loss, "grads": flat.tolist()})
     return {"runs": out}
@@ -278,7 +279,8 @@ def grads(configs: list[RunConfig]) -> dict:
 @scenario("layouts")
 def adam(configs: list[RunConfig]) -> dict:
     from pai_cookbook.core.checkpoint import chained_optimizers
-    from pai_cookbook.workers.train import _restore, build, save_if_due, train_step
+    from pai_cookbook.workers.run_state import restore, save_if_due
+    from pai_cookbook.workers.training import build, train_step
 
     def groups(optimizer):
         return [g for inner in chained_optimizers(optimizer) for g in inner.optimizer.param_groups]
@@ -302,7 +304,7 @@ def adam(configs: list[RunConfig]) -> dict:
         model, optimizer, scheduler = build(config, device)
         for group in groups(optimizer):
             group["fused"] = None  # so that only the restore can set it again
-        step, _ = _restore(config, model, optimizer, scheduler)
+        step, _ = restore(config, model, optimizer, scheduler)
         restored = {"restored_step": step, "restored_fused": [g["fused"] for g in groups(optimizer)],
                     "onwards": onwards,
                     "resumed": [train_step(config, model, optimizer, scheduler, step)["loss"] for step in (3, 4)]}

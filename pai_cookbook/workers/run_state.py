@@ -1,0 +1,159 @@
+"""What a training run keeps between its steps and its launches: the step log (metrics.jsonl, progress), the order of
+passes over a data set, saving when due (and never after a non-finite step), and a resume that follows the run asked
+for. Shared by every training worker through `workers.training`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook.core import checkpoint, layout, runtime, throughput, worker
+from pai_cookbook.core.config import RunConfig
+from pai_cookbook.core.model import torch_dtype, training_flops_per_token
+from pai_cookbook.core.runtime import DeviceInfo
+
+
+class StepLog:
+    """Per-step figures: tokens/s and MFU on every step, written by rank 0 to run_dir/metrics.jsonl and
+    to TensorBoard (run_dir/tensorboard) when the launcher gave a run folder."""
+
+    def __init__(self, config: RunConfig, device: DeviceInfo, fresh: bool, log_dir: str | Path | None = None):
+        self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
+        self.flops_per_token = training_flops_per_token(config.model, config.data.seq_length)
+        # MFU as the field reports it: model FLOP/s over the GPUs' datasheet dense peak for the precision of the
+        # GEMMs (None on a CPU or a GPU the table lacks). Beside it, under its own name, the fraction of the measured
+        # matmul peak: every rank measures its own device (and threads), and the world's figure is their sum.
+        gemms = "fp8" if config.precision.fp8 is not None and config.precision.fp8.resolve_backend(device) == "te" \
+            else config.precision.dtype
+        world = torch.distributed.get_world_size()
+        per_gpu = throughput.datasheet_peak_flops(device.name, gemms) if device.is_cuda else None
+        self.datasheet_flops = None if per_gpu is None else per_gpu * world
+        peak = torch.tensor([throughput.measure_matmul_peak(torch_dtype(config.precision))], dtype=torch.float64,
+                            device=runtime.collective_device())
+        torch.distributed.all_reduce(peak)
+        self.peak_flops = float(peak.item())
+        self.jsonl = self.tensorboard = None
+        run_dir = log_dir or os.environ.get(worker.RUN_DIR_ENV)
+        if run_dir and worker.rank() == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # a run that starts at step 0 starts the log over; a resumed one continues it
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            self.jsonl = worker.open_log(Path(run_dir) / "metrics.jsonl", fresh)
+            self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def throughput(self, seconds: float) -> dict[str, float]:
+        tokens_per_s = self.tokens_per_step / seconds
+        return {"tokens_per_s": tokens_per_s,
+                "mfu": throughput.model_flops_utilization(tokens_per_s, self.flops_per_token, self.datasheet_flops),
+                "mfu_of_measured_peak": throughput.model_flops_utilization(tokens_per_s, self.flops_per_token,
+                                                                        self.peak_flops)}
+
+    def write(self, step: int, figures: dict[str, float]) -> None:
+        if self.jsonl is None:
+            return
+        self.jsonl.write(json.dumps({"step": step} | figures) + "\n")
+        self.jsonl.flush()
+        for name, value in figures.items():
+            if not isinstance(value, (int, float)):  # per-layer router lists stay in metrics.jsonl
+                continue
+            self.tensorboard.add_scalar(f"train/{name}" if name != "valid_loss" else "valid/loss", value, step)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.tensorboard.close()
+
+
+_PASS_SEED_STRIDE = 1_000_003  # a prime above any pass count: distinct (seed, pass) -> distinct orders
+
+
+def seeded_passes(count: int, step: int, per_step: int, seed: int) -> list[int]:
+    """Indices of step `step`'s `per_step` items out of `count`: consecutive passes over the set, each in an
+    order seeded by (seed, pass), so a step draws the same items at every layout and on a resumed run."""
+    chosen, orders = [], {}
+    for position in range(step * per_step, (step + 1) * per_step):
+        epoch, index = divmod(position, count)
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(count, generator=torch.Generator().manual_seed(seed * _PASS_SEED_STRIDE + epoch))
+        chosen.append(int(orders[epoch][index]))
+    return chosen
+
+
+def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | list[Path] | None,
+                **state: Any) -> Path | None:
+    """Save a training checkpoint after step `done` when it is the last or a multiple of save_interval
+    (collective; `state`: see `checkpoint.save_training`); returns its folder, or None when none was due."""
+    ckpt = config.checkpoint
+    if not ckpt.save_dir or not (done == config.train_iters or (ckpt.save_interval and done % ckpt.save_interval == 0)):
+        return None
+    return save_now(config, model, optimizer, scheduler, done, assets, **state)
+
+
+def save_now(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | list[Path] | None,
+             **state: Any) -> Path:
+    """Save a training checkpoint after step `done` into save_dir (collective)."""
+    ckpt = config.checkpoint
+    return checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model,
+                                    torch_dtype(config.precision),
+                                    layout.record(config.parallel, torch.distributed.get_world_size()),
+                                    keep_last=ckpt.keep_last, assets=assets, run=dataclasses.asdict(config), **state)
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is not finite: the run stops there, before anything of it is saved."""
+
+
+def stop_non_finite(config: RunConfig, step: int, figures: dict[str, float], started_from: str | None) -> None:
+    """Stop the run at `step` (on every rank: the loss and gradient norm are global), naming the last finite
+    checkpoint, which survives: nothing is saved after a non-finite step, so `keep_last` never removes it."""
+    ckpt = config.checkpoint
+    finished = checkpoint.finished_iterations(ckpt.save_dir) if ckpt.save_dir else []
+    last = finished[-1] if finished else started_from
+    fp8_hint = " the FP8 recipe or margin (precision.fp8)," if config.precision.fp8 is not None else ""
+    raise NonFiniteError(
+        f"step {step}: the loss is {figures['loss']} and the gradient norm {figures['grad_norm']}; the run stops here "
+        f"and saves nothing of this step. The last finite checkpoint is {last or 'none (no checkpoint was saved)'}. "
+        f"Try a lower learning rate (optimizer.lr, now {config.optimizer.lr}), gradient clipping (optimizer.clip_grad, "
+        f"now {config.optimizer.clip_grad}),{fp8_hint} or bf16 rather than fp16; a re-run resumes from that checkpoint.")
+
+
+def follow_the_run_asked_for(config: RunConfig, optimizer, scheduler) -> None:
+    """After a resume: the optimizer's parameter groups carry the saved run's peak and floor learning rates (which
+    Megatron-Core's schedule reads before its own) and Adam settings; give them the run asked for
+    (`train.resume_changes` allowed and said the change), and set this step's learning rate from the new schedule."""
+    opt = config.optimizer
+    for group in optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = opt.lr, opt.min_lr
+        if "betas" in group:
+            group["betas"] = (opt.adam_beta1, opt.adam_beta2)
+        if "eps" in group:
+            group["eps"] = opt.adam_eps
+    scheduler.step(increment=0)
+
+
+def restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | None]:
+    """Resume from save_dir's latest checkpoint, or start from load_dir's weights; returns (step, source)."""
+    ckpt = config.checkpoint
+    modules = [m.module for m in model]
+    latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
+    if latest:
+        step = checkpoint.load_training(modules, optimizer, scheduler, latest[0])
+        if getattr(optimizer, "cookbook_fused_cpu_adam", False):  # cpu.adam.FUSED_MARK: the saved groups are unfused
+            from pai_cookbook.cpu import adam
+
+            adam.fuse_adam(optimizer)
+        follow_the_run_asked_for(config, optimizer, scheduler)
+        return step, str(latest[0])
+    if ckpt.load_dir:
+        checkpoint.load(modules, ckpt.load_dir)
+        optimizer.reload_model_params()  # bf16: refresh the fp32 master copies from the loaded weights
+        return 0, ckpt.load_dir
+    return 0, None
+
+
