@@ -164,6 +164,15 @@ RAW = {
                                     __import__("pai_cookbook.sft").sft.describe(f / "folder"),
                                     r"sft.json is not valid JSON \(5 bytes.*Prepare the set again"),
     "sft.follows no records": (lambda f, t: __import__("pai_cookbook.sft").sft.follows([], "x"), r"no records to score"),
+    "sft.audit samples of other conversations": (
+        lambda f, t: _audit_other_lines(t), r"samples of lines \[1\] have no conversation among those given \(lines \[7\]\)"),
+    # GRPO/PPO prompts
+    "RL: a prompt None": (lambda f, t: _rl([None]), r"prompt 1 is None \(NoneType\); give a string"),
+    "RL: a prompt field None": (lambda f, t: _rl([{"prompt": None}]), r"prompt 1: \"prompt\" must be a string, found None"),
+    "RL: empty messages": (lambda f, t: _rl([{"messages": []}]), r"prompt 1: \"messages\" must be a non-empty list"),
+    "RL: a message without content": (lambda f, t: _rl([{"messages": [{"role": "user"}]}]),
+                                      r"prompt 1, message 1 needs a string \"content\""),
+    "RL: prompts as one string": (lambda f, t: _rl("What is 2+2?"), r"prompts must be a list of strings .*got one str"),
     # data
     "data.prepare a missing tokenizer": (lambda f, t: data.prepare([f / "chat.jsonl"], f / "ds", f / "no_tok"),
                                          r"tokenizer_dir carries no tokenizer"),
@@ -240,6 +249,20 @@ RAW = {
     "moe.load_balance of a dense run": (lambda f, t: moe.load_balance([{"loss": 1.0}], 0),
                                         r"the history has no 'expert_load'"),
 }
+
+
+def _audit_other_lines(tok):
+    from pai_cookbook import sft
+
+    hf = tokenizer.load(tok)
+    sample = sft.encode(hf, {"messages": CHAT, "line": 1}, "chatml")
+    return sft.audit(hf, [sample], [{"messages": CHAT, "line": 7}], "chatml")
+
+
+def _rl(prompts):
+    from pai_cookbook import rlhf
+
+    return rlhf.records_of(prompts)
 
 
 def _damaged_index(folder, text):
