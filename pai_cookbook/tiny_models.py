@@ -60,4 +60,6 @@ def make_tiny_hf_model(family: str, folder: str | Path, *, seed: int = 0, dtype:
     if chat_template is not None:
         tiny_tokenizer.chat_template = chat_template
     tiny_tokenizer.save_pretrained(folder)
+    if tokenizer_dir is not None:  # the vocabulary as the user has it, byte for byte (a fast tokenizer saves no
+        tokenizer.copy(tokenizer_dir, folder, tokenizer.VOCABULARY_FILES)  # tokenizer.model): same fingerprint
     return folder
