@@ -258,7 +258,7 @@ def test_an_extension_that_changes_old_text_is_not_written(sentencepiece_base, t
         extended["model"]["merges"] = extended["model"]["merges"][:old][::-1] + extended["model"]["merges"][old:]
         return extended
 
-    monkeypatch.setattr(vocabulary, "extend_sentencepiece_json", reranked)
+    monkeypatch.setattr(spm, "extend_sentencepiece_json", reranked)
     with pytest.raises(ConfigError, match="changes old text"):
         extend.extend_tokenizer(sentencepiece_base, corpora.chinese(limit=LEARN), tmp_path / "zh", 4000)
     assert not (tmp_path / "zh").exists() and not (tmp_path / "zh.partial").exists()
