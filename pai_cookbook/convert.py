@@ -220,8 +220,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = False
     checkpoint.read_config(ckpt)  # fails early on a folder that is not a cookbook checkpoint
     if checkpoint.head(ckpt) == "reward":  # its padding token, before any tensor is converted
         assets = Path(ckpt) / checkpoint.HF_ASSETS
-        hf = tokenizer.load(assets)
-        reward_padding(hf, set(tokenizer.eos_ids(assets, hf)) | {hf.eos_token_id} - {None})
+        reward_padding(tokenizer.load(assets), assets)
     job = ConvertJob(direction="mcore2hf", src=str(Path(ckpt).resolve()), dst="", max_shard_bytes=max_shard_bytes)
     return _write(job, Path(out), overwrite, run_dir, None, finish=lambda partial: write_hf_config(Path(ckpt), partial))
 
@@ -246,14 +245,14 @@ def reward_hf_config(config, folder: Path) -> None:
     config.architectures = [name.replace("ForCausalLM", "ForSequenceClassification") for name in config.architectures]
     config.num_labels, config.tie_word_embeddings = 1, False
     hf = tokenizer.load(folder)
-    text, pad = reward_padding(hf, set(tokenizer.eos_ids(folder, hf)) | {hf.eos_token_id} - {None})
+    text, pad = reward_padding(hf, folder)
     if pad != hf.pad_token_id:
         hf.pad_token = text
         hf.save_pretrained(folder)
     config.pad_token_id = pad
 
 
-def reward_padding(hf, ends: set[int]) -> tuple[str, int]:
+def reward_padding(hf, folder: Path) -> tuple[str, int]:
     """The token an exported reward model pads with: a special token that is not an end token (transformers scores a
     row at its rightmost token that is not padding, and every sequence the cookbook scores ends with its end token):
     the tokenizer's pad, unknown or begin token first, then any other special token. An ordinary token will not do:
@@ -262,6 +261,7 @@ def reward_padding(hf, ends: set[int]) -> tuple[str, int]:
     Raises:
         ConfigError: a tokenizer whose only special tokens are end tokens (GPT-2's layout), before any work.
     """
+    ends = set(tokenizer.eos_ids(folder, hf)) | {hf.eos_token_id} - {None}  # the generation config's and its own
     named = [(hf.pad_token, hf.pad_token_id), (hf.unk_token, hf.unk_token_id), (hf.bos_token, hf.bos_token_id)]
     for text, i in [*named, *zip(hf.all_special_tokens, hf.all_special_ids)]:
         if text is not None and i is not None and i not in ends:
