@@ -72,11 +72,11 @@ def main() -> None:
     from pai_cookbook import convert, generate, smollm2
     from pai_cookbook.core import checkpoint, runtime
     from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
-    from pai_cookbook.core.model import build_model
     from pai_cookbook.core.tokenizer import MegatronView
     from pai_cookbook.generate import GenerationConfig
     from pai_cookbook.tiny_models import make_tiny_hf_model
     from pai_cookbook.workers.engine import build_engine, decoding_weights, generate_batch
+    from pai_cookbook.workers.models import build_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")

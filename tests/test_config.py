@@ -161,6 +161,35 @@ def test_good_layouts_pass():
         pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)).validate(2, CPU)
 
 
+def test_the_fp8_backend_is_decided_once_into_the_job():
+    """The launcher decides every machine-dependent choice into the job (`core.job.decided`); a worker reads it and
+    never decides again: an undecided config is refused where it would be read."""
+    from pai_cookbook.core.job import decided
+    from pai_cookbook.train import Sweep
+
+    asked = run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config()))
+    with pytest.raises(ValueError, match="still 'auto'"):
+        _ = asked.precision.fp8.decided_backend
+    assert decided(asked, CPU).precision.fp8.decided_backend == "emulated"
+    assert decided(asked, H100).precision.fp8.decided_backend == "te"
+    assert asked.precision.fp8.backend == "auto"  # the caller's config is left as it was
+    sweep = Sweep(names=["a", "b"], folders=["a", "b"], runs=[asked, run()])
+    assert [r.precision.fp8 and r.precision.fp8.backend for r in decided(sweep, CPU).runs] == ["emulated", None]
+    assert decided(run(), CPU) == run()
+    with pytest.raises(ConfigError, match="backend='te' needs Transformer Engine"):  # a decision this machine refuses
+        decided(run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(backend="te"))), CPU)
+
+
+def test_the_cpu_converters_come_from_the_caller_exactly_on_the_cpu_path():
+    from pai_cookbook.core.layer_spec import layer_spec
+
+    local = dataclasses.replace(CPU, layers=runtime.LOCAL_LAYERS)
+    with pytest.raises(ValueError, match="take the CPU converters"):
+        layer_spec(families.tiny(), None, dataclasses.replace(CPU, layers=runtime.CPU_LAYERS), seed=0)
+    with pytest.raises(ValueError, match="take no CPU converters"):
+        layer_spec(families.tiny(), None, local, seed=0, converters=object())
+
+
 def test_data_parallel_size_is_derived():
     assert ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(16) == 4
 

@@ -13,8 +13,8 @@ def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_throu
     With gradients on, Megatron-Core's forward runs and every weight gets a gradient."""
     from megatron.core.tensor_parallel import layers
 
-    from pai_cookbook.core.model import build_model
     from pai_cookbook.cpu.linear import LeanColumnParallelLinear, LeanRowParallelLinear
+    from pai_cookbook.workers.models import build_model
 
     model = families.tiny("qwen2", add_bias_linear=True)
     calls = []
@@ -81,7 +81,7 @@ def _static_decode(gpt, model, tokens: torch.Tensor, steps: int, left_padding: l
 
 
 def _short_and_megatron_forward(family: str, **overrides) -> None:
-    from pai_cookbook.core.model import build_model
+    from pai_cookbook.workers.models import build_model
 
     model = families.tiny(family, **overrides)
     with runtime.world_of_one() as device:
@@ -139,8 +139,8 @@ def test_lean_layers_decode_as_megatron_core_does_bit_for_bit():
 
 
 def _packed_and_mkl_decode(family: str) -> None:
-    from pai_cookbook.core.model import build_model
     from pai_cookbook.cpu import linear
+    from pai_cookbook.workers.models import build_model
 
     model = families.tiny(family)
     with runtime.world_of_one() as device:

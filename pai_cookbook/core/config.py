@@ -108,6 +108,20 @@ class FP8Config:
                              "backend quantizes every GEMM of the linear layer; set wgrad=True.")
         return "emulated"
 
+    def decided(self, device: Any) -> FP8Config:
+        """This config with `backend` decided on `device` (`resolve_backend`): what the launcher writes into the job
+        (`core.job.decided`), so that every worker reads one answer (`decided_backend`)."""
+        return dataclasses.replace(self, backend=self.resolve_backend(device))
+
+    @property
+    def decided_backend(self) -> str:
+        """'te' or 'emulated', as the launcher decided it; a config still on 'auto' never reached a worker through the
+        launcher, and is refused here rather than decided a second time."""
+        if self.backend == "auto":
+            raise ValueError("FP8Config.backend is still 'auto': the launcher decides it into the job "
+                             "(core.job.decided(job, device)); build the model from the decided job.")
+        return self.backend
+
 
 @dataclass(kw_only=True)
 class PrecisionConfig:

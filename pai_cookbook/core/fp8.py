@@ -244,7 +244,7 @@ class _QuantizeGradient(torch.autograd.Function):
         return ctx.gemm.quantize("grad", grad.float()), None
 
 
-def emulated_linear(base: type) -> type:
+def emulated_linear(base: type, fp8) -> type:
     """`base` (Megatron-Core's ColumnParallelLinear or RowParallelLinear) with FP8 GEMM numerics: input and
     weight quantized in forward, the output gradient in backward, the GEMMs in fp32 on the quantized values.
     Tensor-parallel communication stays Megatron-Core's own."""
@@ -252,7 +252,7 @@ def emulated_linear(base: type) -> type:
     class EmulatedFP8Linear(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.fp8_gemm = EmulatedGemm(kwargs["config"].cookbook_fp8)
+            self.fp8_gemm = EmulatedGemm(fp8)
 
         def _forward_impl(self, input, weight, *args, **kwargs):
             gemm = self.fp8_gemm
@@ -270,13 +270,13 @@ def emulated_linear(base: type) -> type:
     return EmulatedFP8Linear
 
 
-def emulated_linears() -> dict[type, type]:
-    """Megatron-Core's parallel linears -> their emulated-FP8 versions, for `core.specs.swap_classes`. Embedding and
-    output layer are not in a layer spec: they stay bf16."""
+def emulated_linears(fp8) -> dict[type, type]:
+    """Megatron-Core's parallel linears -> their versions with `fp8`'s (an FP8Config's) emulated numerics, for
+    `core.specs.swap_classes`. Embedding and output layer are not in a layer spec: they stay bf16."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    return {ColumnParallelLinear: emulated_linear(ColumnParallelLinear),
-            RowParallelLinear: emulated_linear(RowParallelLinear)}
+    return {ColumnParallelLinear: emulated_linear(ColumnParallelLinear, fp8),
+            RowParallelLinear: emulated_linear(RowParallelLinear, fp8)}
 
 
 def emulated_gemms(module: torch.nn.Module) -> dict[str, EmulatedGemm]:

@@ -99,3 +99,23 @@ def from_dict(cls: type, data: dict[str, Any]) -> Any:
     unknown = set(data) - names
     require(not unknown, f"{cls.__name__} has no field(s) {sorted(unknown)}; known: {sorted(names)}.")
     return cls(**{key: _check_type(cls.__name__, key, hints[key], value) for key, value in data.items()})
+
+
+def decided(job: J, device: Any) -> J:
+    """`job` with every choice that depends on the machine made here, once: each nested section that has a
+    `decided(device)` method (`FP8Config`: its backend) is replaced by what that returns, in dataclasses and
+    lists alike. The launcher calls it before the job's check and writes the result as job.json, so the workers
+    read one answer from the job instead of deciding again."""
+    return _decide(job, device)
+
+
+def _decide(value: Any, device: Any) -> Any:
+    if isinstance(value, list):
+        return [_decide(v, device) for v in value]
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return value
+    if callable(getattr(value, "decided", None)):
+        return value.decided(device)
+    changes = {f.name: _decide(getattr(value, f.name), device) for f in dataclasses.fields(value) if f.init}
+    changed = {k: v for k, v in changes.items() if v is not getattr(value, k)}
+    return dataclasses.replace(value, **changed) if changed else value

@@ -35,7 +35,7 @@ from typing import Any
 
 from pai_cookbook.core import failures, nodes, processes, runtime, worker
 from pai_cookbook.core.failures import WorkerError
-from pai_cookbook.core.job import Job
+from pai_cookbook.core.job import Job, decided
 
 # Warnings every CPU worker would print, advising a CUDA setting; kept out of the notebook on the CPU path only.
 CPU_BENIGN_WARNINGS = ("When using async grad allreduce",)
@@ -88,6 +88,7 @@ def run_here(job: Job) -> dict[str, Any]:
     with runtime.world_of_one() as device, warnings.catch_warnings():
         for message in benign_warnings(device):
             warnings.filterwarnings("ignore", message=re.escape(message))
+        job = decided(job, device)
         job.check(1, device)
         return run(job, device)
 
@@ -276,10 +277,11 @@ def user_paths() -> list[str]:
 def _launch_locked(job: Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: int, run_dir: str | Path,
                    timeout_s: float | None, show_progress: bool, echo: bool,
                    env: dict[str, str] | None) -> dict[str, Any]:
-    device = runtime.detect_device()
+    device = runtime.detect_device({**os.environ, **(env or {})})
     if device.is_cuda and nproc_per_node > device.count:
         raise ValueError(f"nproc_per_node={nproc_per_node} but this node has {device.count} GPU(s); "
                          f"use at most {device.count} processes per node.")
+    job = decided(job, device)  # the machine's choices made once, here: the workers read them from job.json
     job.check(launch_env.world_size(nproc_per_node), device)
     run_dir = Path(run_dir).resolve()
     log_dir = run_dir / "logs"
@@ -289,7 +291,8 @@ def _launch_locked(job: Job, launch_env: runtime.LaunchEnv, *, nproc_per_node: i
         stale.unlink()
     job_file = job.save(run_dir / worker.JOB_FILE)
     single = launch_env.nnodes == 1 and nproc_per_node == 1
-    child_env = {**os.environ, **(env or {}), worker.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1"}
+    child_env = {**os.environ, **(env or {}), worker.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1",
+                 runtime.LAYERS_ENV: device.layers}  # the layers decided here are the ones every worker builds
     single_log = log_dir / SINGLE_PROCESS_LOG if single else None  # torchrun keeps its workers' logs itself
     if single:
         argv = single_process_argv(job.WORKER, [str(job_file)])

@@ -7,7 +7,8 @@ here (`DeviceInfo.layers`, `core.runtime.choose_layers`):
   (`core.attention.SDPAttention`, unless the model asks for the unfused one) and self-attention keeping rotated keys
   in the static KV cache, which left-pads batches of prompts of different lengths
   (`core.attention.LeftPaddedSelfAttention`).
-- `local+cpu`: the local path plus the cookbook's CPU converters (`pai_cookbook.cpu.convert_spec`).
+- `local+cpu`: the local path plus the cookbook's CPU converters, which the caller hands in (`Converters`: the
+  workers pass `pai_cookbook.cpu`), so the engine never imports the CPU package.
 
 On every path each layer is a `SeededTransformerLayer` (seeded by its global layer number, experts by their global
 index), so one seed builds one model at every TP/PP/VPP/EP layout; its forward is upstream's. With emulated FP8 the
@@ -16,27 +17,29 @@ linears are `core.fp8`'s (Megatron-Core's local ones with FP8 numerics) on any p
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from pai_cookbook.core import runtime
-from pai_cookbook.core.config import ModelConfig
+from pai_cookbook.core.config import FP8Config, ModelConfig
 from pai_cookbook.core.runtime import DeviceInfo
 from pai_cookbook.core.specs import swap_classes
 
 
-def _seeded_layer_class():
-    """TransformerLayer whose weights are drawn from a stream seeded by its *global* layer number.
+def _seeded_layer_class(seed: int):
+    """TransformerLayer whose weights are drawn from a stream seeded by (`seed`, its *global* layer number).
 
     With CPU initialisation each pipeline stage would otherwise draw its layers from the start of one
     RNG stream, so layer 3 would get different weights at PP=1 and PP=2. Seeding each layer from
-    (init_seed, global layer number) makes a seed mean one model at every TP/PP/virtual-PP layout.
+    (seed, global layer number) makes a seed mean one model at every TP/PP/virtual-PP layout.
     """
     from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
     class SeededTransformerLayer(TransformerLayer):
         def __init__(self, config, submodules, layer_number: int = 1, *args, vp_stage=None, **kwargs):
             global_number = layer_number + get_transformer_layer_offset(config, vp_stage)
-            torch.random.default_generator.manual_seed(config.init_seed * LAYER_SEED_STRIDE + global_number)
+            torch.random.default_generator.manual_seed(seed * LAYER_SEED_STRIDE + global_number)
             super().__init__(config, submodules, layer_number, *args, vp_stage=vp_stage, **kwargs)
 
     return SeededTransformerLayer
@@ -78,29 +81,39 @@ def _seeded_experts_class(base):
     return SeededExperts
 
 
-def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | None = None):
-    """The layer (or, for MoE, decoder-block) spec of `device.layers` (module doc); with emulated FP8 the local
-    spec, whose linears carry FP8 numerics (core/fp8.py)."""
-    fp8 = getattr(config, "cookbook_fp8", None)
-    emulated_fp8 = fp8 is not None and fp8.resolve_backend(device) == "emulated"
+class Converters(Protocol):
+    """What the CPU path adds to a spec and to the output layer (`pai_cookbook.cpu` is one)."""
+
+    def convert_spec(self, spec, linears: bool = True) -> None: ...
+
+    def convert_output_layer(self, output_layer) -> None: ...
+
+
+def layer_spec(model: ModelConfig, config, device: DeviceInfo, vp_stage: int | None = None, *, seed: int,
+               fp8: FP8Config | None = None, converters: Converters | None = None):
+    """The layer (or, for MoE, decoder-block) spec of `device.layers` (module doc), its layers seeded from `seed`;
+    with emulated FP8 (`fp8`, decided by the launcher) the local spec, whose linears carry FP8 numerics
+    (core/fp8.py); on the CPU path `converters` applied (required there, refused elsewhere)."""
+    if device.cpu_converters != (converters is not None):
+        raise ValueError(f"the {device.layers!r} layers take " + ("the CPU converters (the workers pass "
+                         "pai_cookbook.cpu)" if device.cpu_converters else "no CPU converters") + f"; got {converters!r}.")
+    emulated_fp8 = fp8 is not None and fp8.decided_backend == "emulated"
     # the emulated FP8 linears are Megatron-Core's local ones
     use_te = device.layers == runtime.TE_LAYERS and not emulated_fp8
-    spec = _layer_spec(model, config, vp_stage, use_te)
+    spec = _layer_spec(model, config, vp_stage, use_te, seed)
     if emulated_fp8:
         from pai_cookbook.core import fp8 as fp8_numerics
 
-        swap_classes(spec, fp8_numerics.emulated_linears())
-    if device.cpu_converters:
-        from pai_cookbook import cpu
-
-        cpu.convert_spec(spec, linears=not emulated_fp8)
+        swap_classes(spec, fp8_numerics.emulated_linears(fp8))
+    if converters is not None:
+        converters.convert_spec(spec, linears=not emulated_fp8)
     return spec
 
 
-def _layer_spec(model: ModelConfig, config, vp_stage: int | None, use_te: bool):
+def _layer_spec(model: ModelConfig, config, vp_stage: int | None, use_te: bool, seed: int):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    seeded = _seeded_layer_class()
+    seeded = _seeded_layer_class(seed)
     if model.is_moe:
         # The block spec places MoE and dense layers by moe_layer_freq.
         block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,

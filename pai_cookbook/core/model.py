@@ -1,7 +1,8 @@
 """Build Megatron-Core GPT models from the cookbook's configs (the `model_provider` step).
 
 The same function builds the CPU and the GPU model: the layer spec is the one `DeviceInfo.layers` decided
-(`core.layer_spec`: Transformer Engine's, Megatron-Core's local one, or that plus the CPU converters). Weights are
+(`core.layer_spec`: Transformer Engine's, Megatron-Core's local one, or that plus the CPU converters, which the
+workers hand in: `workers.models.build_model`). Weights are
 initialised whole on the CPU and then split (`use_cpu_initialization`), each layer from its own seeded
 stream, so one seed gives the same dense model at every TP/PP/virtual-PP layout: the basis of every
 "this layout matches single-process" check.
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from pai_cookbook.core import device_guard
 from pai_cookbook.core.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
-from pai_cookbook.core.layer_spec import LAYER_SEED_STRIDE, layer_spec
+from pai_cookbook.core.layer_spec import LAYER_SEED_STRIDE, Converters, layer_spec
 from pai_cookbook.core.runtime import DeviceInfo
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -98,7 +99,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
             moe_grouped_gemm=_grouped_gemm(model, device),
             moe_permute_fusion=fused,
         )
-    if precision.fp8 is not None and precision.fp8.resolve_backend(device) == "te":
+    if precision.fp8 is not None and precision.fp8.decided_backend == "te":
         fp8 = precision.fp8
         kwargs.update(fp8=fp8.format, fp8_recipe=fp8.recipe, fp8_margin=fp8.margin,
                       fp8_amax_history_len=fp8.amax_history_len, fp8_amax_compute_algo=fp8.amax_compute_algo,
@@ -106,7 +107,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
                       num_layers_at_start_in_bf16=fp8.num_layers_at_start_in_bf16,
                       num_layers_at_end_in_bf16=fp8.num_layers_at_end_in_bf16)
     # The emulated backend (core/fp8.py) leaves Megatron-Core's fp8 fields off: the layer spec's linears
-    # carry the FP8 numerics instead (`core.layer_spec` reads `config.cookbook_fp8`).
+    # carry the FP8 numerics instead (`core.layer_spec`).
     return TransformerConfig(**kwargs)
 
 
@@ -123,7 +124,7 @@ HEADS = ("lm", "reward")
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
                 device: DeviceInfo, seed: int, memory: MemoryConfig | None = None,
-                head: str = "lm", initialize: bool = True) -> list[torch.nn.Module]:
+                head: str = "lm", initialize: bool = True, converters: Converters | None = None) -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) on its device.
 
     Must run inside a worker after `runtime.init_distributed`.
@@ -131,8 +132,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
     head: "lm", the language model's output layer (logits over the vocabulary); "reward", a `ScalarHead`
         in its place (one score per position, [batch, seq, 1] from the model), untied from the embedding.
     initialize: False where a checkpoint is loaded next: Megatron-Core's random initialisation is skipped and the
-        weights start as uninitialised memory (measured: the init took 0.8 s of SmolLM2's generation start and
-        1.1 s of a 1.6 GiB conversion's layout model; a checkpoint load fills every parameter or fails).
+        weights start as uninitialised memory (a checkpoint load fills every parameter or fails).
+    converters: the CPU path's (`device.cpu_converters`; required there, refused elsewhere): the workers pass
+        `pai_cookbook.cpu` through `workers.models.build_model`.
+    precision.fp8: decided by the launcher (`core.job.decided`), read here as it was decided.
 
     Returns:
         A list of `GPTModel` chunks (length 1 unless virtual pipeline parallelism is on).
@@ -144,8 +147,6 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
         raise ValueError(f"head {head!r}: one of {HEADS}")
     config = transformer_config(model, parallel, precision, device, memory)
     config.perform_initialization = initialize
-    config.init_seed = seed  # read by SeededTransformerLayer
-    config.cookbook_fp8 = precision.fp8  # read by core.layer_spec and the emulated FP8 linears
     vpp = parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
@@ -154,7 +155,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
         torch.random.default_generator.manual_seed(seed)
         gpt = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(model, config, device, vp_stage),
+            transformer_layer_spec=layer_spec(model, config, device, vp_stage, seed=seed, fp8=precision.fp8,
+                                              converters=converters),
             vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -171,10 +173,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             gpt.output_layer = ScalarHead(model.hidden_size, model.init_method_std, seed)
         _params_to(gpt, config.params_dtype)
         if gpt.post_process and head == "lm":
-            if device.cpu_converters:  # the layers' short linear forward, and oneDNN's packed weight while decoding
-                from pai_cookbook import cpu
-
-                cpu.convert_output_layer(gpt.output_layer)
+            if converters is not None:  # the layers' short linear forward, and oneDNN's packed weight while decoding
+                converters.convert_output_layer(gpt.output_layer)
             mask_vocab_padding(gpt.output_layer, model.vocab_size)
         if device.is_cuda:
             gpt.cuda(torch.cuda.current_device())
@@ -182,7 +182,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             device_guard.place(gpt)
         chunks.append(gpt)
     fp8 = precision.fp8
-    if fp8 is not None and fp8.first_last_layers_bf16 and fp8.resolve_backend(device) == "emulated":
+    if fp8 is not None and fp8.first_last_layers_bf16 and fp8.decided_backend == "emulated":
         from pai_cookbook.core import fp8 as fp8_numerics
 
         fp8_numerics.keep_layers_in_bf16(chunks, fp8.num_layers_at_start_in_bf16, fp8.num_layers_at_end_in_bf16,

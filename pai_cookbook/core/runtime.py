@@ -140,8 +140,8 @@ def layer_record(device: DeviceInfo) -> dict[str, Any]:
     return {"layers": device.layers, "swaps": sorted(swaps), "cpu_converters": sorted(converters)}
 
 
-def detect_device() -> DeviceInfo:
-    """Describe the local accelerator without initialising a process group (the layers: `choose_layers`)."""
+def detect_device(environ: Mapping[str, str] | None = None) -> DeviceInfo:
+    """The local accelerator, without a process group; its layers by `choose_layers` on `environ` (default: ours)."""
     if torch.cuda.is_available():
         te = _importable("transformer_engine")
         return DeviceInfo(
@@ -152,9 +152,9 @@ def detect_device() -> DeviceInfo:
             backend="nccl",
             has_transformer_engine=te,
             has_flash_attn=_importable("flash_attn"),
-            layers=choose_layers(True, te),
+            layers=choose_layers(True, te, environ),
         )
-    return _cpu_device(choose_layers(False, False))
+    return _cpu_device(choose_layers(False, False, environ))
 
 
 def host_device() -> DeviceInfo:

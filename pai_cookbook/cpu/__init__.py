@@ -1,8 +1,9 @@
 """The cookbook's CPU speed work: converters of Megatron-Core's local layer spec for a CPU, and nothing else.
 
-Applied behind one decision (`core.runtime.choose_layers`: `DeviceInfo.cpu_converters`, a CPU's default), by
-`core.layer_spec` (`convert_spec`), `core.model` (`convert_output_layer`) and the workers (`packed_for_decoding`,
-`fuse_adam`), and listed by name in every run's record (`core.runtime.CPU_CONVERTERS`, `layer_record`). Nothing
+Applied behind one decision (`core.runtime.choose_layers`: `DeviceInfo.cpu_converters`, a CPU's default): the workers
+hand this package to `core.model.build_model` (`workers.models`), which applies `convert_spec` and
+`convert_output_layer` (the `core.layer_spec.Converters` it takes); the workers use `packed_for_decoding` and
+`fuse_adam` themselves. Every run's record lists them by name (`core.runtime.CPU_CONVERTERS`, `layer_record`). Nothing
 here is imported on a GPU or with `PAI_COOKBOOK_LAYERS=local`, which builds Megatron-Core's local spec as upstream
 ships it (with the swaps that serve a GPU too: `core.attention`). Each converter computes what Megatron-Core
 computes, bit for bit unless its entry says otherwise; docs/megatron-core-on-cpu.md has their measurements.

@@ -193,7 +193,7 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
 
 def reshard(src: Path, out: Path, parallel: ParallelConfig, device) -> dict[str, Any]:
     """Load `src` at this launch's layout and save it from there with Megatron-Core's own save."""
-    from pai_cookbook.core.model import build_model
+    from pai_cookbook.workers.models import build_model
 
     model, dtype = checkpoint.read_config(src)
     chunks = build_model(model, parallel, PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]), device, 0,

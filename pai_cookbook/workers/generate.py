@@ -22,7 +22,8 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
 
-    from pai_cookbook.core.model import build_model, torch_dtype
+    from pai_cookbook.core.model import torch_dtype
+    from pai_cookbook.workers.models import build_model
 
     config, parallel = job.config, job.parallel
     model, saved_dtype = checkpoint.read_config(job.ckpt)

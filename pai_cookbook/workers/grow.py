@@ -17,8 +17,8 @@ import torch
 
 from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
-from pai_cookbook.core.model import build_model
 from pai_cookbook.extend import GrowJob
+from pai_cookbook.workers.models import build_model
 
 
 def new_rows(old: torch.Tensor, sources: list[list[int]], init: str, std: float,

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from pai_cookbook.core import checkpoint, runtime, worker
-from pai_cookbook.core.model import build_model, torch_dtype
+from pai_cookbook.core.model import torch_dtype
 from pai_cookbook.hf_baseline import hf_logits
 from pai_cookbook.parity import ParityJob, compare_logits, token_batch
+from pai_cookbook.workers.models import build_model
 
 
 def megatron_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor | None:

@@ -33,13 +33,14 @@ import torch
 
 from pai_cookbook import rl, rlhf
 from pai_cookbook.core import checkpoint, worker
-from pai_cookbook.core.model import build_model, torch_dtype
+from pai_cookbook.core.model import torch_dtype
 from pai_cookbook.core.tokenizer import MegatronView
 from pai_cookbook.generate import GenerationConfig
 from pai_cookbook.rl import RLError
 from pai_cookbook.rlhf import RLJob
 from pai_cookbook.workers import engine as inference
 from pai_cookbook.workers import run_state, training
+from pai_cookbook.workers.models import build_model
 from pai_cookbook.workers.rl_updates import (
     forward_only,
     logprobs,

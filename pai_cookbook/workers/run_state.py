@@ -28,7 +28,7 @@ class StepLog:
         # MFU as the field reports it: model FLOP/s over the GPUs' datasheet dense peak for the precision of the
         # GEMMs (None on a CPU or a GPU the table lacks). Beside it, under its own name, the fraction of the measured
         # matmul peak: every rank measures its own device (and threads), and the world's figure is their sum.
-        gemms = "fp8" if config.precision.fp8 is not None and config.precision.fp8.resolve_backend(device) == "te" \
+        gemms = "fp8" if config.precision.fp8 is not None and config.precision.fp8.decided_backend == "te" \
             else config.precision.dtype
         world = torch.distributed.get_world_size()
         per_gpu = throughput.datasheet_peak_flops(device.name, gemms) if device.is_cuda else None

@@ -19,8 +19,8 @@ import torch
 
 from pai_cookbook.core import checkpoint, tokenizer, worker
 from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
-from pai_cookbook.core.model import build_model
 from pai_cookbook.extend import ScoreJob
+from pai_cookbook.workers.models import build_model
 
 
 @functools.lru_cache(maxsize=16)

@@ -19,8 +19,9 @@ import torch
 from pai_cookbook import data, moe, sft
 from pai_cookbook.core import checkpoint, fp8, runtime, tokenizer, worker
 from pai_cookbook.core.config import RunConfig
-from pai_cookbook.core.model import build_model, torch_dtype
+from pai_cookbook.core.model import torch_dtype
 from pai_cookbook.core.runtime import DeviceInfo
+from pai_cookbook.workers.models import build_model
 from pai_cookbook.workers.run_state import StepLog, restore, save_if_due, stop_non_finite
 
 MAX_SYNTHETIC_STRIDE = 8
@@ -279,7 +280,7 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
     log = StepLog(config, device, fresh=first_step == 0, log_dir=log_dir)
     name, offset, total = progress or (None, 0, config.train_iters)
     router = moe.RouterStats([m.module for m in model], config) if config.model.is_moe else None
-    fp8_backend = config.precision.fp8.resolve_backend(device) if config.precision.fp8 is not None else None
+    fp8_backend = config.precision.fp8.decided_backend if config.precision.fp8 is not None else None
     start = time.perf_counter()
     for step in range(first_step, config.train_iters):
         step_start = time.perf_counter()

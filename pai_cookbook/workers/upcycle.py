@@ -8,8 +8,8 @@ from typing import Any
 
 from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.core.config import PrecisionConfig
-from pai_cookbook.core.model import build_model
 from pai_cookbook.moe import UpcycleJob
+from pai_cookbook.workers.models import build_model
 
 
 @worker.entry(UpcycleJob)

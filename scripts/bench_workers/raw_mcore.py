@@ -11,7 +11,7 @@ import torch
 
 from pai_cookbook.core import runtime
 from pai_cookbook.core.config import RunConfig
-from pai_cookbook.core.model import build_model
+from pai_cookbook.workers.models import build_model
 
 
 def main(config_path: str, steps: str) -> None:

@@ -40,8 +40,8 @@ import torch
 from pai_cookbook.core import runtime, worker
 from pai_cookbook.core.config import RunConfig
 from pai_cookbook.core.job import Job
-from pai_cookbook.core.model import build_model
 from pai_cookbook.core.model_config import ConfigError
+from pai_cookbook.workers.models import build_model
 from pai_cookbook.workers.training import train
 
 SCENARIOS: dict[str, tuple[Callable[..., dict], str]] = {"train": (train, "config, device")}
