@@ -199,7 +199,7 @@ def test_training_rotary_and_swiglu_compute_what_megatron_cores_do_bit_for_bit(r
     (`core.attention.rotate`) and runs SwiGLU as one autograd function (`cpu.glu`): one forward/backward of each
     model, once that way and once through Megatron-Core's `apply_rotary_pos_emb` and `MLP.forward`, gives the same
     loss and every parameter's gradient bit for bit (so nothing trained changes: notebook 08's PPO run without the
-    KL penalty moved on a 1e-7 difference, docs/megatron-core-on-cpu.md). Grouped-query attention (Llama, also
+    KL penalty moved on a 1e-7 difference, docs/cpu-history.md). Grouped-query attention (Llama, also
     bf16 and an MLP width of 100, whose vector loops end in a remainder), biases and a tied embedding (Qwen2), query
     and key norms with experts (Qwen3-MoE, whose experts keep Megatron-Core's MLP), a sliding window (Mistral)."""
     from pai_cookbook.core.config import PrecisionConfig

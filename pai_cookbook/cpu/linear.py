@@ -28,7 +28,7 @@ sums are oneDNN's, not MKL's: logits agree to ~1e-6 relative, not bit for bit (g
 transformers' in tests/test_generate.py). Where oneDNN is not in this torch build, the context does nothing.
 
 Training keeps MKL's matmul (Megatron-Core's own Function): oneDNN's forward and input-gradient GEMMs were 3.5%
-faster a step, but changed which way notebook 08's deliberately unstable PPO run went (docs/megatron-core-on-cpu.md).
+faster a step, but changed which way notebook 08's deliberately unstable PPO run went (docs/cpu-history.md).
 `PAI_COOKBOOK_ONEDNN=0` in the environment of the process that imports this module (a worker inherits the
 launcher's) turns the packing off.
 """
