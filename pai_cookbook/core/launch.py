@@ -4,11 +4,10 @@
 - checks the job against the world size and the device (`job.check`) before any process starts;
 - writes it to run_dir/job.json and runs `python -m job.WORKER job.json` under torchrun, built as an
   argv list (never a shell string); a world of one process on one machine runs the worker directly with
-  the variables torchrun would give it (torchrun's own start, a second Python importing torch, is ~1.8 s
-  and ~1.8 CPU-seconds of every single-process launch); a free local port on one machine, the scheduler's
-  MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK on a multi-node job (`runtime.detect_launch_env`) for jobs
-  that span nodes (training); a job of a fixed small world (conversion, parity, generation) runs on
-  node 0 alone and the other nodes get its result (`core.nodes`);
+  the variables torchrun would give it (torchrun's own start is a second Python importing torch); a free
+  local port on one machine, the scheduler's MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK on a multi-node job
+  (`runtime.detect_launch_env`) for jobs that span nodes (training); a job of a fixed small world
+  (conversion, parity, generation) runs on node 0 alone and the other nodes get its result (`core.nodes`);
 - streams rank 0's output live (its progress events drive a tqdm bar, which renders as a widget in
   Jupyter and as text under papermill), keeps every rank's stdout/stderr in files under the run folder;
 - returns rank 0's result dict; on a non-zero exit raises `WorkerError` with the failing rank and the
@@ -55,17 +54,15 @@ ALWAYS_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex
                           "`torch.distributed.all_gather_into_tensor` is deprecated")
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for transparent huge pages under its CPU allocator (c10's alloc_cpu: madvise(MADV_HUGEPAGE) on
-allocations of 2 MB or more). Opt-in: set it in the environment and every worker inherits it (SmolLM2's decode
-GEMMs 53 -> 46 ms a step in isolation, docs/megatron-core-on-cpu.md). Not the default yet: its gain inside a
-whole generation step was not separated from the machine's noise."""
+allocations of 2 MB or more). Opt-in: set it in the environment and every worker inherits it. Not the default: its
+gain inside a whole generation step was not separated from the machine's noise (docs/megatron-core-on-cpu.md)."""
 GLIBC_TUNABLES_ENV = "GLIBC_TUNABLES"
 KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
 """glibc's allocator told to serve every block from its heap and never give the heap's top back: what a step frees
 is there for the next step, where by default a block above the mmap threshold (32 MB at most) is unmapped on free
 and faulted back in page by page next step. Given to the CPU workers of jobs with `REPEATED_STEPS` unless the
-environment sets GLIBC_TUNABLES itself. The benchmark model's training step: 24,900 -> 3 page faults, peak RSS
-1,975 -> 1,992 MB, tokens/s +2.4% (median of 4 alternations; docs/megatron-core-on-cpu.md). Ignored by other C
-libraries."""
+environment sets GLIBC_TUNABLES itself (docs/megatron-core-on-cpu.md has the page faults, memory and speed
+before and after). Ignored by other C libraries."""
 _EVENT_DECODER = json.JSONDecoder()
 _RANK_PREFIX = re.compile(r"^\[default\d+\]:")
 

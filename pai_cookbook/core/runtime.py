@@ -341,7 +341,7 @@ def world_of_one() -> Iterator[DeviceInfo]:
     """Megatron-Core's parallel state for one process at TP=PP=EP=1, in the caller's own process; torn down after.
 
     For jobs that only build a model on the meta device and move bytes (the streaming conversions): a worker
-    process would spend ~3 s importing torch and Megatron-Core before its first byte (docs/megatron-core-on-cpu.md).
+    process would spend seconds importing torch and Megatron-Core before its first byte (docs/megatron-core-on-cpu.md).
     The compatibility layer is applied here as in any CPU worker (building an MoE layer, even on the meta device,
     creates CUDA streams; its patches stand in only for CUDA calls that would raise on this machine). No port is
     bound (an in-process store). Yields the CPU's `DeviceInfo` (its layers as `choose_layers` decides on a CPU).

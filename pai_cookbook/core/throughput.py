@@ -44,8 +44,8 @@ def model_flops_utilization(tokens_per_s: float, flops_per_token: float, peak_fl
 
 
 PEAK_MATMUL_SIZE = 8192
-"""Largest square matmul the measured peak uses: big enough to saturate a GPU (an H100 reached 410 TFLOP/s in bf16
-at 2048 and 786 at 8192). On a CPU the doubling stops far earlier, on time."""
+"""Largest square matmul the measured peak uses: big enough to saturate a GPU (an H100 reaches about twice at 8192
+what it reaches at 2048: docs/installing.md). On a CPU the doubling stops far earlier, on time."""
 PEAK_MIN_SIZE = 256
 PEAK_MEASURE_S = 0.5
 
@@ -55,8 +55,8 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, seconds: float = PEA
 
     Reported beside MFU under its own name (`mfu_of_measured_peak`): the fraction of what this hardware's own
     largest matmul reaches, the only peak a CPU has (there is no datasheet figure for it). The matrix size doubles
-    from 256 until one matmul takes a tenth of `seconds` (or reaches `PEAK_MATMUL_SIZE`): a 2048 bf16 matmul takes
-    64 s on a 2-core CPU without bf16 kernels (measured), which a fixed size spent before every bf16 run.
+    from 256 until one matmul takes a tenth of `seconds` (or reaches `PEAK_MATMUL_SIZE`): on a CPU without bf16
+    kernels one large bf16 matmul takes about a minute, which a fixed size spent before every bf16 run.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -16,12 +16,11 @@ def fuse_adam(optimizer) -> None:
     Without Transformer Engine or Apex, `get_megatron_optimizer` builds `torch.optim.AdamW` with torch's default
     implementation, which for CPU tensors is a Python loop of about ten ATen ops a tensor, each a pass over it (torch
     defaults to its fused kernels on accelerators only). With them, on GPU, Megatron-Core steps with TE's or Apex's
-    fused Adam. torch's fused kernel does the same update in one pass: on the benchmark model (32M parameters, fp32,
-    2 cores) the optimizer step drops from about 65 to 32 ms. Its arithmetic is the loop's in another order, so
-    parameters differ in the last bits (4.8e-7 after six steps in a probe), as TE's fused Adam differs from
-    both. Applied to every group of every torch Adam under `optimizer` (chained, mixed precision or distributed)
-    whose parameters are on CPU; again after a checkpoint's load (`workers.run_state`, where the optimizer carries
-    `FUSED_MARK`), whose saved groups carry their own `fused`.
+    fused Adam. torch's fused kernel does the same update in one pass (docs/megatron-core-on-cpu.md has the step
+    before and after). Its arithmetic is the loop's in another order, so parameters differ in the last bits, as TE's
+    fused Adam differs from both. Applied to every group of every torch Adam under `optimizer` (chained, mixed
+    precision or distributed) whose parameters are on CPU; again after a checkpoint's load (`workers.run_state`, where
+    the optimizer carries `FUSED_MARK`), whose saved groups carry their own `fused`.
     """
     for inner in checkpoint.chained_optimizers(optimizer):
         adam = getattr(inner, "optimizer", None)

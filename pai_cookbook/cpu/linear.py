@@ -10,24 +10,23 @@ communication): then these classes compute what Megatron-Core's forward computes
 with the transposed weight, then the bias), so the outputs are bitwise the same. Anything else (gradients on,
 TP > 1, sequence parallelism, experts spread over ranks) is Megatron-Core's own forward, unchanged.
 
-Measured on SmolLM2-135M's decode step (8 rows, 30 layers, 120 of these linears a step; 2-core CPU): the
-wrappers cost ~45 us a call outside the GEMM; docs/megatron-core-on-cpu.md has the step before and after.
+On a decode step Megatron-Core's wrappers around the GEMM cost more than the GEMM of a short row;
+docs/megatron-core-on-cpu.md has the step before and after.
 
 `pai_cookbook.cpu.convert_spec` puts them wherever the local spec uses Megatron-Core's linears on the CPU path (not
 with emulated FP8, whose linears are `core.fp8`'s); `cpu.convert_output_layer` makes a language model's output layer
 one too (`make_lean`).
 
-**oneDNN's prepacked weights while decoding** (`packed_for_decoding`). PyTorch's CPU matmul is MKL's `sgemm`; for
-the few rows a decode step has (one per sequence) that is far slower than oneDNN's inner product on a weight
-reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what
-TorchInductor's CPU freezing pass uses): SmolLM2-135M's 121 GEMMs of a decode step, 8 rows, 45 -> 22 ms on this
-machine kind (AMD EPYC, 2 cores; docs/megatron-core-on-cpu.md). Inside the context every short linear of the model
-with an fp32 CPU weight uses its packed copy; the copies are made on entry from the weights as they are then and
-dropped on exit, so a model trained between two generation calls (the RL worker) is packed afresh each time. The
-sums are oneDNN's, not MKL's: logits agree to ~1e-6 relative, not bit for bit (greedy tokens equal to
-transformers' in tests/test_generate.py). Where oneDNN is not in this torch build, the context does nothing.
+**oneDNN's prepacked weights while decoding** (`packed_for_decoding`). PyTorch's CPU matmul is MKL's `sgemm`; for the
+few rows a decode step has (one per sequence) that is far slower than oneDNN's inner product on a weight reordered
+once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what
+TorchInductor's CPU freezing pass uses; docs/megatron-core-on-cpu.md has the decode step before and after). Inside the
+context every short linear of the model with an fp32 CPU weight uses its packed copy; the copies are made on entry
+from the weights as they are then and dropped on exit, so a model trained between two generation calls (the RL worker)
+is packed afresh each time. The sums are oneDNN's, not MKL's: logits agree to rounding, not bit for bit (greedy tokens
+equal to transformers' in tests/test_generate.py). Where oneDNN is not in this torch build, the context does nothing.
 
-Training keeps MKL's matmul (Megatron-Core's own Function): oneDNN's forward and input-gradient GEMMs were 3.5%
+Training keeps MKL's matmul (Megatron-Core's own Function): oneDNN's forward and input-gradient GEMMs were a little
 faster a step, but changed which way notebook 08's deliberately unstable PPO run went (docs/cpu-history.md).
 `PAI_COOKBOOK_ONEDNN=0` in the environment of the process that imports this module (a worker inherits the
 launcher's) turns the packing off.
