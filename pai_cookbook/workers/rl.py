@@ -33,9 +33,9 @@ import torch
 
 from pai_cookbook import rl, rlhf
 from pai_cookbook.core import checkpoint, worker
+from pai_cookbook.core.generation import GenerationConfig
 from pai_cookbook.core.model import build_model, torch_dtype
 from pai_cookbook.core.tokenizer import MegatronView
-from pai_cookbook.generate import GenerationConfig
 from pai_cookbook.rl import RLError
 from pai_cookbook.rlhf import RLJob
 from pai_cookbook.workers import engine as inference
