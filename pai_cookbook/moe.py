@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from pai_cookbook.core import checkpoint, cli, layout, nodes
 from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
-from pai_cookbook.core.job import Job
+from pai_cookbook.core.jobs import UpcycleJob
 
 AUX_LOSS_NAMES = {"load_balancing_loss": "aux_loss", "seq_load_balancing_loss": "seq_aux_loss",
                   "global_load_balancing_loss": "global_aux_loss", "z_loss": "z_loss"}
@@ -175,23 +174,6 @@ def upcycled_config(dense: ModelConfig, num_experts: int, topk: int = 2, **moe_f
     return dataclasses.replace(dense, family=UPCYCLE_TARGETS[dense.family], num_experts=num_experts,
                                moe_router_topk=topk, moe_ffn_hidden_size=dense.ffn_hidden_size,
                                moe_router_pre_softmax=False, moe_router_score_function="softmax", **moe_fields)
-
-
-@dataclass(kw_only=True)
-class UpcycleJob(Job):
-    """The upcycling worker's job: a dense checkpoint, the MoE model to build from it, and the layout."""
-
-    WORKER: ClassVar[str] = "pai_cookbook.workers.upcycle"
-
-    src: str
-    """Dense cookbook checkpoint."""
-    out: str
-    """MoE checkpoint to write (atomically, by `checkpoint.save`)."""
-    model: ModelConfig
-    """The MoE model (`upcycled_config` of the dense one)."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    seed: int = 1234
-    """Seeds the router weights (the only new weights)."""
 
 
 @nodes.node0_only

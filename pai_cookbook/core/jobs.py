@@ -9,15 +9,19 @@ reads it back from job.json (`core.job.from_dict`, which checks every field's ty
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pai_cookbook.core import layout
-from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig
+from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
 from pai_cookbook.core.generation import GenerationConfig
 from pai_cookbook.core.job import Job
+from pai_cookbook.core.logit_parity import DEFAULT_BATCH, DEFAULT_SEQ
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size: 5 GB
 DIRECTIONS = ("hf2mcore", "mcore2hf", "reshard")
+INITS = ("mean", "hf_mean", "random")
+"""New rows: mean of the sub-token rows; transformers' `resize_token_embeddings(mean_resizing=True)`
+(a sample of N(mean of all rows, 1e-9 x their covariance)); N(0, init_method_std), as a fresh model."""
 
 
 @dataclass(kw_only=True)
@@ -72,3 +76,85 @@ class GenerationBatch(Job):
     WORKER: ClassVar[str] = "pai_cookbook.workers.generate"
 
     jobs: list[GenerationJob]
+
+
+@dataclass(kw_only=True)
+class GrowJob(Job):
+    """The growth worker's job: a checkpoint, the larger vocabulary, the new rows' initialisation."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.grow"
+
+    src: str
+    dst: str
+    assets: str
+    """Folder with the new tokenizer files and the updated config.json (saved as the new hf_assets/)."""
+    vocab_size: int
+    sources: list[list[int]]
+    init: str = "mean"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise ConfigError(f"init {self.init!r} is not one of {INITS}.")
+
+
+@dataclass(kw_only=True)
+class ScoreJob(Job):
+    """The scoring worker's job: checkpoints, named text sets, and (base, extended, text set) pairs."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.score"
+
+    checkpoints: list[str]
+    texts: dict[str, list[str]]
+    pairs: list[list[str]] = field(default_factory=list)
+    batch: int = 8
+
+
+@dataclass(kw_only=True)
+class UpcycleJob(Job):
+    """The upcycling worker's job: a dense checkpoint, the MoE model to build from it, and the layout."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.upcycle"
+
+    src: str
+    """Dense cookbook checkpoint."""
+    out: str
+    """MoE checkpoint to write (atomically, by `checkpoint.save`)."""
+    model: ModelConfig
+    """The MoE model (`upcycled_config` of the dense one)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seed: int = 1234
+    """Seeds the router weights (the only new weights)."""
+
+
+@dataclass(kw_only=True)
+class Sweep(Job):
+    """Several training runs, one after another in one launch: the job of `sweep`."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.sweep"
+    SPANS_NODES: ClassVar[bool] = True
+    REPEATED_STEPS: ClassVar[bool] = True
+
+    names: list[str]
+    folders: list[str]
+    """Each run's folder under the launch's run folder (its metrics.jsonl, TensorBoard)."""
+    runs: list[RunConfig]
+
+    def check(self, world_size: int, device: Any) -> None:
+        for config in self.runs:
+            config.validate(world_size, device)
+
+
+@dataclass(kw_only=True)
+class ParityJob(Job):
+    """The parity worker's job: one checkpoint, its Hugging Face twin, and the layouts to load it at."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.parity"
+
+    hf_dir: str
+    ckpt: str
+    layouts: list[ParallelConfig]
+    batch: int = DEFAULT_BATCH
+    seq: int = DEFAULT_SEQ
+    seed: int = 1234
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
