@@ -16,6 +16,7 @@ from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig, P
 from pai_cookbook.core.generation import GenerationConfig
 from pai_cookbook.core.job import Job
 from pai_cookbook.core.logit_parity import DEFAULT_BATCH, DEFAULT_SEQ
+from pai_cookbook.core.rlhf_config import GRPOConfig, PPOConfig, RewardModelConfig
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size: 5 GB
 DIRECTIONS = ("hf2mcore", "mcore2hf", "reshard")
@@ -158,3 +159,78 @@ class ParityJob(Job):
     seq: int = DEFAULT_SEQ
     seed: int = 1234
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+
+
+@dataclass(kw_only=True)
+class RewardModelJob(Job):
+    """The reward-model worker's job: the training config and the pairs, tokenized."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.reward"
+    SPANS_NODES: ClassVar[bool] = True
+    REPEATED_STEPS: ClassVar[bool] = True
+
+    run: RunConfig
+    rm: RewardModelConfig
+    train_pairs: list[list[list[int]]]
+    """[chosen ids, rejected ids] per pair: prompt + completion + end token each."""
+    train_margins: list[float]
+    valid_pairs: list[list[list[int]]]
+    valid_margins: list[float]
+    pad_id: int
+
+    def check(self, world_size: int, device: Any) -> None:
+        self.run.validate(world_size, device)
+        whole = self.run.parallel.data_parallel_size(world_size) * self.rm.micro_batch_size
+        if self.valid_pairs and len(self.valid_pairs) < whole:  # held-out pairs run in whole micro-batches
+            raise ConfigError(f"{len(self.valid_pairs)} held-out pairs fill no micro-batch of {self.rm.micro_batch_size} "
+                              f"pairs on each of the {whole // self.rm.micro_batch_size} data-parallel ranks, so none "
+                              f"would be scored; give at least {whole} (a multiple of {whole} scores them all).")
+
+
+@dataclass(kw_only=True)
+class RLJob(Job):
+    """The RL worker's job: the policy's training config, the reference, the prompts and the reward; for PPO
+    the critic's training config."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.rl"
+    SPANS_NODES: ClassVar[bool] = True
+    REPEATED_STEPS: ClassVar[bool] = True
+
+    run: RunConfig
+    """Model, layout, precision, optimizer, checkpoints (load_dir: the starting policy)."""
+    grpo: GRPOConfig | None = None
+    ppo: PPOConfig | None = None
+    """One of the two: the algorithm and its knobs."""
+    reference: str
+    reward: str
+    """The reward as given: "module:function", or a reward model's checkpoint (then `reward_model`)."""
+    reward_model: str | None = None
+    reward_model_config: ModelConfig | None = None
+    critic: RunConfig | None = None
+    """PPO: the critic's training config (load_dir: where it starts; save_dir: the policy's save_dir/critic)."""
+    true_reward: str | None = None
+    """A "module:function" logged beside the reward and never trained on (reward over-optimisation shows as
+    the reward rising while this falls)."""
+    records: list[dict[str, Any]]
+    prompt_ids: list[list[int]]
+    eval_records: list[dict[str, Any]] = field(default_factory=list)
+    eval_ids: list[list[int]] = field(default_factory=list)
+    eos_ids: list[int]
+    pad_id: int
+
+    @property
+    def config(self) -> GRPOConfig:
+        return self.ppo or self.grpo
+
+    def check(self, world_size: int, device: Any) -> None:
+        self.run.validate(world_size, device)
+        layout.check(self.run.model, self.run.parallel, world_size, purpose="infer")  # the engine's layout too
+        if self.critic is not None:
+            self.critic.validate(world_size, device)
+        # the training rows are checked as the global batch; the held-out ones go through the same schedule
+        whole = self.run.parallel.data_parallel_size(world_size) * self.config.micro_batch_size
+        rows = len(self.eval_ids) * self.config.eval_samples
+        if rows % whole:
+            raise ConfigError(f"held-out prompts x eval_samples = {rows} completions do not split into whole "
+                              f"micro-batches of {self.config.micro_batch_size} on every data-parallel rank; make "
+                              f"it a multiple of {whole}.")
