@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pai_cookbook.core import inputs
+from pai_cookbook.core.sft_data import SFTError
 
 MARK = "\ue000{}\ue001"
 """A message's stand-in while the template's own text is located (private-use characters no template writes)."""
@@ -33,10 +34,6 @@ TRANSFORMS = (lambda s: s, str.strip, str.lstrip, str.rstrip, lambda s: s.strip(
               lambda s: s.rstrip("\n"))
 """How templates write a message: as given, or trimmed (Llama 3 and Gemma trim; Qwen3 drops leading newlines)."""
 SYSTEM = ("keep", "fold")
-
-
-class SFTError(ValueError):
-    """Bad SFT input, named before any worker starts: where, what was expected, what was found."""
 
 
 @dataclass

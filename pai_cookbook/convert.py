@@ -22,123 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, cli, families, hf_mapping, inputs, layout, nodes, tokenizer
-from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig
-from pai_cookbook.core.job import Job
+from pai_cookbook.core import checkpoint, cli, families, layout, nodes, tokenizer
+from pai_cookbook.core.config import ConfigError, ParallelConfig
+from pai_cookbook.core.hf_checkpoint import IGNORED_HF_TENSORS, HFCheckpoint, inspect_hf, read_safetensors_header
+from pai_cookbook.core.jobs import DEFAULT_SHARD_BYTES, DIRECTIONS, ConvertJob
 
-IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed on load
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size: 5 GB
-DIRECTIONS = ("hf2mcore", "mcore2hf", "reshard")
-
-
-# --------------------------------------------------------------------------------------------------
-# Inspection: everything that can be known before a worker starts
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class HFCheckpoint:
-    folder: Path
-    model: ModelConfig
-    tensors: dict[str, tuple[str, tuple[int, ...], str]]
-    """name -> (shard file, shape, safetensors dtype)."""
-
-    @property
-    def dtype(self) -> torch.dtype:
-        names = {dtype for _, _, dtype in self.tensors.values()}
-        if len(names) != 1 or next(iter(names)) not in _DTYPES:
-            raise ConfigError(f"{self.folder}: tensors must share one dtype of {sorted(_DTYPES)}, found {sorted(names)}.")
-        return _DTYPES[names.pop()]
-
-    @property
-    def largest_shard_bytes(self) -> int:
-        return max((self.folder / f).stat().st_size for f in {f for f, _, _ in self.tensors.values()})
-
-
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a .safetensors file, after checking the file holds all the data it declares."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ConfigError(f"{path} is truncated ({size} bytes): not even a safetensors header.")
-        (header_len,) = struct.unpack("<Q", raw)
-        if 8 + header_len > size:
-            raise ConfigError(f"{path} is truncated: header of {header_len} bytes, file of {size}.")
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"{path} has a damaged safetensors header ({err}); the file is corrupt. Download it "
-                              f"again.") from None
-        if not isinstance(header, dict) or not all(isinstance(v, dict) and "data_offsets" in v
-                                                   for k, v in header.items() if k != "__metadata__"):
-            raise ConfigError(f"{path} has a safetensors header without tensor entries; the file is corrupt. "
-                              f"Download it again.")
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + end > size:
-        raise ConfigError(f"{path} is truncated: its tensors need {8 + header_len + end} bytes, the file has "
-                          f"{size}. Download it again.")
-    return header
-
-
-def inspect_hf(folder: str | Path, model: ModelConfig | None = None) -> HFCheckpoint:
-    """Read config and safetensors headers (no weights) and check them against each other.
-
-    `model`: the folder's config as an earlier inspection read it (the conversion worker gets it with its job, and
-    so does not import transformers to read config.json again: ~1.5 s of its start).
-
-    Raises:
-        ConfigError: unsupported architecture, truncated shard, missing/unexpected tensor, shape mismatch.
-        FileNotFoundError: no config.json, no safetensors, or a shard the index lists is absent.
-    """
-    folder = Path(folder)
-    model = model or families.from_hf(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = inputs.read_json(index, fix="Download the model's index file again.").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConfigError(f"{index} has no \"weight_map\" of tensor names to shard files; it is damaged or not a "
-                              f"safetensors index. Download it again.")
-        files = sorted(set(weight_map.values()))
-    elif (folder / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        found = sorted(p.name for p in folder.glob("*.bin")) or "nothing"
-        raise FileNotFoundError(f"{folder} has no model.safetensors(.index.json) (found {found}). The cookbook "
-                                f"reads safetensors only (pickle .bin files can run code); re-save the model "
-                                f"with save_pretrained(folder, safe_serialization=True).")
-    tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
-    for name in files:
-        path = folder / name
-        if not path.exists():
-            raise FileNotFoundError(f"shard {name} listed in {index.name} is missing from {folder}.")
-        for key, meta in read_safetensors_header(path).items():
-            if key != "__metadata__":
-                tensors[key] = (name, tuple(meta["shape"]), meta["dtype"])
-    expected = hf_mapping.expected_hf_shapes(model)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ConfigError(f"{folder}: {len(missing)} tensor(s) that config.json implies are missing, e.g. "
-                          f"{missing[:3]}; the weights do not belong to this config.")
-    unexpected = sorted(k for k in set(tensors) - set(expected) if not k.endswith(IGNORED_HF_TENSORS))
-    if unexpected:
-        raise ConfigError(f"{folder}: tensor(s) the cookbook's {model.family} mapping does not know, e.g. "
-                          f"{unexpected[:3]}; the checkpoint has a feature the converter does not cover.")
-    for key, shape in expected.items():
-        if tensors[key][1] != shape:
-            raise ConfigError(f"{folder}: tensor {key} has shape {list(tensors[key][1])}, but config.json "
-                              f"implies {list(shape)}; config and weights disagree.")
-    checked = HFCheckpoint(folder, model, {k: tensors[k] for k in expected})
-    _ = checked.dtype  # one dtype for all tensors, or a ConfigError now rather than in the worker
-    return checked
+__all__ = ["DEFAULT_SHARD_BYTES", "DIRECTIONS", "IGNORED_HF_TENSORS", "ConvertJob", "HFCheckpoint", "compare_hf_checkpoints",
+           "hf_to_megatron", "inspect_hf", "main", "megatron_to_hf", "read_safetensors_header", "reshard", "reward_hf_config",
+           "reward_padding", "write_hf_config"]
 
 
 def compare_hf_checkpoints(a: str | Path, b: str | Path) -> dict[str, Any]:
@@ -155,31 +53,6 @@ def compare_hf_checkpoints(a: str | Path, b: str | Path) -> dict[str, Any]:
             different.append(name)
     return {"tensors": len(left.tensors), "bitwise_identical": not different, "different": different}
 
-
-
-@dataclass(kw_only=True)
-class ConvertJob(Job):
-    """The conversion worker's job: one direction, a source, a destination (a `.partial` folder for
-    the streaming directions), and the layout for `reshard`."""
-
-    WORKER: ClassVar[str] = "pai_cookbook.workers.convert"
-
-    direction: Literal["hf2mcore", "mcore2hf", "reshard"]
-    src: str
-    dst: str
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Layout the `reshard` direction loads and saves at (the streaming directions run on one process)."""
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES
-    """mcore2hf: the largest safetensors shard."""
-    model: ModelConfig | None = None
-    """hf2mcore: the source's config as `inspect_hf` read it before launch."""
-
-    def __post_init__(self) -> None:
-        if self.direction not in DIRECTIONS:
-            raise ConfigError(f"direction {self.direction!r} is not one of {DIRECTIONS}.")
-
-    def processes(self) -> int:
-        return layout.world_size(self.parallel) if self.direction == "reshard" else 1
 
 
 # --------------------------------------------------------------------------------------------------

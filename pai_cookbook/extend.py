@@ -25,16 +25,13 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from pai_cookbook.core import checkpoint, cli, inputs, nodes, spm, tokenizer, vocabulary
 from pai_cookbook.core.config import ConfigError
-from pai_cookbook.core.job import Job
+from pai_cookbook.core.jobs import INITS, GrowJob, ScoreJob
 from pai_cookbook.extension_checks import check_no_special_spelled, check_old_text, check_specials, moved_specials
 
-INITS = ("mean", "hf_mean", "random")
-"""New rows: mean of the sub-token rows; transformers' `resize_token_embeddings(mean_resizing=True)`
-(a sample of N(mean of all rows, 1e-9 x their covariance)); N(0, init_method_std), as a fresh model."""
 EXTENSION_FILE = "pai_cookbook_extension.json"
 """Written into an extended tokenizer folder: the base it extends, the first new id, each new token's
 old sub-token ids."""
@@ -252,26 +249,6 @@ def compression(tokenizer_dir: str | Path, texts: list[str]) -> float:
 # --------------------------------------------------------------------------------------------------
 # Checkpoints: grow, score
 # --------------------------------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class GrowJob(Job):
-    """The growth worker's job: a checkpoint, the larger vocabulary, the new rows' initialisation."""
-
-    WORKER: ClassVar[str] = "pai_cookbook.workers.grow"
-
-    src: str
-    dst: str
-    assets: str
-    """Folder with the new tokenizer files and the updated config.json (saved as the new hf_assets/)."""
-    vocab_size: int
-    sources: list[list[int]]
-    init: str = "mean"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.init not in INITS:
-            raise ConfigError(f"init {self.init!r} is not one of {INITS}.")
-
-
 @nodes.node0_only
 def grow(ckpt: str | Path, tokenizer_dir: str | Path, out: str | Path, *, init: str = "mean", seed: int = 0,
          overwrite: bool = False, run_dir: str | Path | None = None) -> dict[str, Any]:
@@ -311,18 +288,6 @@ def grow(ckpt: str | Path, tokenizer_dir: str | Path, out: str | Path, *, init: 
                   vocab_size=extension.size, sources=extension.sources, init=init, seed=seed)
     result = launch.launch(job, run_dir=run_dir, echo=False, show_progress=False)
     return {k: v for k, v in result.items() if k != "events"}
-
-
-@dataclass(kw_only=True)
-class ScoreJob(Job):
-    """The scoring worker's job: checkpoints, named text sets, and (base, extended, text set) pairs."""
-
-    WORKER: ClassVar[str] = "pai_cookbook.workers.score"
-
-    checkpoints: list[str]
-    texts: dict[str, list[str]]
-    pairs: list[list[str]] = field(default_factory=list)
-    batch: int = 8
 
 
 @nodes.node0_only

@@ -15,9 +15,13 @@ from typing import Any
 
 import torch
 
+from pai_cookbook.core.logit_parity import hf_logits, hf_model
 from pai_cookbook.core.progress import quiet_transformers
 from pai_cookbook.core.tokenizer import eos_ids
 from pai_cookbook.generate import GenerationConfig
+
+__all__ = ["TRL_RENAMED_API", "hf_complete", "hf_generate", "hf_logits", "hf_packed_token_losses", "trl_grpo",
+           "trl_reward_model"]
 
 # transformers 5's deprecations of what TRL 1.16 still calls: `gradient_checkpointing` (an argument),
 # `is_gradient_checkpointing`, `gradient_checkpointing_enable`/`_disable` (model methods).
@@ -44,22 +48,6 @@ def _quiet_trl() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _load(hf_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """transformers' causal LM from `hf_dir` in `dtype` on `device`, without its "Loading weights" bar."""
-    from transformers import AutoModelForCausalLM
-
-    with quiet_transformers():
-        return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
-
-
-def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32,
-              device: str = "cpu") -> torch.Tensor:
-    """transformers' logits for `tokens`, computed in `dtype` on `device`, returned in fp32 on the CPU."""
-    model = _load(hf_dir, dtype, device)
-    with torch.no_grad():
-        return model(tokens.to(device)).logits.float().cpu()
-
-
 def hf_packed_token_losses(hf_dir: str | Path, batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
     """transformers' per-token losses [rows, seq] of each batch of packed SFT rows (`sft.batch`, `sft.load`,
     `sft.global_batch`), fp32, padding-free.
@@ -68,7 +56,7 @@ def hf_packed_token_losses(hf_dir: str | Path, batches: Sequence[dict[str, torch
     (transformers reads the boundaries from the position ids and keeps attention inside each
     conversation), `use_cache=False`. Positions holding padding get 0.
     """
-    model = _load(hf_dir)
+    model = hf_model(hf_dir)
     out = []
     with torch.no_grad():
         for batch in batches:
@@ -98,7 +86,7 @@ def hf_generate(hf_dir: str | Path, prompt_ids: Sequence[Sequence[int]], config:
     from transformers import AutoTokenizer
 
     dtype = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.dtype]
-    model = _load(hf_dir, dtype, device)
+    model = hf_model(hf_dir, dtype, device)
     eos = eos_ids(hf_dir, AutoTokenizer.from_pretrained(hf_dir)) + list(config.eos_token_ids)
     # HF switches top-k off with 0 and top-p off with 1.0 (Megatron-Core: top_p 0.0).
     decoding = ({"do_sample": False} if config.greedy else
@@ -129,7 +117,7 @@ def hf_complete(hf_dir: str | Path, prompts: Sequence[str], max_new_tokens: int 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    model = _load(hf_dir)
+    model = hf_model(hf_dir)
     silent = [i for i in tokenizer.all_special_ids if i != tokenizer.eos_token_id]
     completions = []
     with torch.no_grad():

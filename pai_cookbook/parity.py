@@ -8,53 +8,15 @@ absolute difference, argmax agreement, and each side's next-token loss on the ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
-
-import torch
+from typing import Any
 
 from pai_cookbook.core import checkpoint, layout, runtime
 from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
-from pai_cookbook.core.job import Job
-from pai_cookbook.core.tokenizer import TOKENIZER_CORPUS
+from pai_cookbook.core.jobs import ParityJob
+from pai_cookbook.core.logit_parity import DEFAULT_BATCH, DEFAULT_SEQ, compare_logits, token_batch
 
-DEFAULT_BATCH, DEFAULT_SEQ = 2, 32
-
-
-def token_batch(tokenizer_dir: str | Path, batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ) -> torch.Tensor:
-    """`batch` windows of `seq` tokens of the cookbook's corpus, tokenized by the model's own tokenizer."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    ids = tokenizer(TOKENIZER_CORPUS.read_text(), add_special_tokens=False).input_ids
-    if len(ids) < batch * seq:
-        raise ValueError(f"the corpus gives {len(ids)} tokens, fewer than batch x seq = {batch * seq}")
-    return torch.tensor(ids[:batch * seq]).view(batch, seq)
-
-
-
-
-def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> float:
-    return float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                   tokens[:, 1:].reshape(-1)))
-
-
-def compare_logits(hf: torch.Tensor, mcore: torch.Tensor, tokens: torch.Tensor) -> dict[str, float]:
-    """Parity figures of two [batch, seq, vocab] fp32 logit tensors over the same tokens."""
-    a, b = hf.double().flatten(), mcore.double().flatten()
-    diff = (hf - mcore).abs()
-    return {
-        "cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
-        "max_abs_diff": float(diff.max()),
-        "mean_abs_diff": float(diff.mean()),
-        "argmax_agreement": float((hf.argmax(-1) == mcore.argmax(-1)).double().mean()),
-        "hf_loss": _next_token_loss(hf, tokens),
-        "megatron_loss": _next_token_loss(mcore, tokens),
-        # the first sample alone: the seed project's "single-sample forward loss"
-        "hf_sample_loss": _next_token_loss(hf[:1], tokens[:1]),
-        "megatron_sample_loss": _next_token_loss(mcore[:1], tokens[:1]),
-    }
+__all__ = ["DEFAULT_BATCH", "DEFAULT_SEQ", "ParityJob", "check", "check_layouts", "compare_logits", "token_batch"]
 
 
 def check(hf_dir: str | Path, ckpt: str | Path, parallel: ParallelConfig | None = None, *,
@@ -92,18 +54,3 @@ def check_layouts(hf_dir: str | Path, ckpt: str | Path, layouts: list[ParallelCo
     return [row | {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
                    "ep": p.expert_model_parallel_size, "processes": world}
             for row, p in zip(result["rows"], layouts)]
-
-
-@dataclass(kw_only=True)
-class ParityJob(Job):
-    """The parity worker's job: one checkpoint, its Hugging Face twin, and the layouts to load it at."""
-
-    WORKER: ClassVar[str] = "pai_cookbook.workers.parity"
-
-    hf_dir: str
-    ckpt: str
-    layouts: list[ParallelConfig]
-    batch: int = DEFAULT_BATCH
-    seq: int = DEFAULT_SEQ
-    seed: int = 1234
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from pai_cookbook.core import checkpoint, inputs, layout, runtime, tokenizer
 from pai_cookbook.core.config import (
@@ -32,69 +31,10 @@ from pai_cookbook.core.config import (
     DataConfig,
     OptimizerConfig,
     ParallelConfig,
-    RunConfig,
 )
 from pai_cookbook.core.inputs import prompt_text
-from pai_cookbook.core.job import Job
-
-
-@dataclass(kw_only=True)
-class RewardModelConfig:
-    """The knobs of a reward-model run; batch sizes count pairs (each is two sequences)."""
-
-    steps: int = 100
-    lr: float = 1e-4
-    """Peak learning rate, after `warmup_steps`, decayed by cosine to lr / 10."""
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    global_batch_size: int = 16
-    """Pairs per optimizer step (over all data-parallel ranks)."""
-    micro_batch_size: int = 4
-    """Pairs per forward/backward: 2 x this sequences."""
-    eval_interval: int = 0
-    """Held-out accuracy every this many steps (and after the last); 0: after the last only."""
-    seed: int = 1234
-    """Pair order (reshuffled every pass over the set) and the head's initial weights."""
-    chat_template: str = "auto"
-    """Prompts through the tokenizer's chat template: "auto" (when it has one), "always", "never"."""
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "global_batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"RewardModelConfig.{name}={getattr(self, name)} must be at least 1.")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(f"RewardModelConfig.global_batch_size={self.global_batch_size} must be a multiple of "
-                              f"micro_batch_size={self.micro_batch_size}.")
-        if not self.lr > 0 or self.warmup_steps < 0 or self.eval_interval < 0:
-            raise ConfigError(f"RewardModelConfig: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} "
-                              f"and eval_interval={self.eval_interval} >= 0.")
-
-
-@dataclass(kw_only=True)
-class RewardModelJob(Job):
-    """The reward-model worker's job: the training config and the pairs, tokenized."""
-
-    WORKER: ClassVar[str] = "pai_cookbook.workers.reward"
-    SPANS_NODES: ClassVar[bool] = True
-    REPEATED_STEPS: ClassVar[bool] = True
-
-    run: RunConfig
-    rm: RewardModelConfig
-    train_pairs: list[list[list[int]]]
-    """[chosen ids, rejected ids] per pair: prompt + completion + end token each."""
-    train_margins: list[float]
-    valid_pairs: list[list[list[int]]]
-    valid_margins: list[float]
-    pad_id: int
-
-    def check(self, world_size: int, device: Any) -> None:
-        self.run.validate(world_size, device)
-        whole = self.run.parallel.data_parallel_size(world_size) * self.rm.micro_batch_size
-        if self.valid_pairs and len(self.valid_pairs) < whole:  # held-out pairs run in whole micro-batches
-            raise ConfigError(f"{len(self.valid_pairs)} held-out pairs fill no micro-batch of {self.rm.micro_batch_size} "
-                              f"pairs on each of the {whole // self.rm.micro_batch_size} data-parallel ranks, so none "
-                              f"would be scored; give at least {whole} (a multiple of {whole} scores them all).")
+from pai_cookbook.core.jobs import RewardModelJob
+from pai_cookbook.core.rlhf_config import RewardModelConfig
 
 
 def check_pairs(pairs: Sequence[dict[str, Any]], what: str = "pair") -> list[dict[str, Any]]:

@@ -28,9 +28,8 @@ import re
 import shutil
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from pai_cookbook import data, sft
 from pai_cookbook.core import checkpoint, cli, damage, inputs, layout, lock, nodes, runtime
@@ -44,7 +43,7 @@ from pai_cookbook.core.config import (
     PrecisionConfig,
     RunConfig,
 )
-from pai_cookbook.core.job import Job
+from pai_cookbook.core.jobs import Sweep
 
 
 @nodes.node0_only
@@ -180,24 +179,6 @@ def writing(configs: list[RunConfig], run_dir: str | Path) -> Iterator[None]:
             for folder in [run_dir] + [c.checkpoint.save_dir for c in configs if c.checkpoint.save_dir]:
                 stack.enter_context(lock.hold(folder, "training"))
         yield
-
-
-@dataclass(kw_only=True)
-class Sweep(Job):
-    """Several training runs, one after another in one launch: the job of `sweep`."""
-
-    WORKER: ClassVar[str] = "pai_cookbook.workers.sweep"
-    SPANS_NODES: ClassVar[bool] = True
-    REPEATED_STEPS: ClassVar[bool] = True
-
-    names: list[str]
-    folders: list[str]
-    """Each run's folder under the launch's run folder (its metrics.jsonl, TensorBoard)."""
-    runs: list[RunConfig]
-
-    def check(self, world_size: int, device: Any) -> None:
-        for config in self.runs:
-            config.validate(world_size, device)
 
 
 def sweep(runs: Mapping[str, RunConfig], *, nproc_per_node: int = 1, run_dir: str | Path = "runs/sweep",

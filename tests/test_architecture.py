@@ -99,6 +99,15 @@ def test_no_module_imports_a_worker_module():
     assert not wrong, wrong
 
 
+def test_the_workers_import_no_recipe():
+    """A worker reads its job and the helpers it shares with its recipe from the engine (`core.jobs`, `core.generation`,
+    `core.rl_math`, ...), never from a recipe module: what runs under torchrun builds on the engine, the CPU package and
+    the workers' own libraries alone."""
+    wrong = [(s, t) for s, targets in imports().items() if _part(s) == "workers"
+             for t, _ in targets if _part(t) == "recipes"]
+    assert not wrong, wrong
+
+
 def test_only_the_launcher_runs_a_worker():
     """No recipe (or engine module) imports a worker: the launcher starts it under torchrun, or in this process
     (`launch.run_here`, which imports the job's worker module by its name), so what runs where stays visible."""

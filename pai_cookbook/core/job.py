@@ -2,7 +2,7 @@
 
 `Job` is the base of every job (`RunConfig`, `ConvertJob`, `GenerationBatch`, ...); `from_dict` rebuilds one (and
 its nested sections) from its JSON, refusing unknown fields and values of the wrong type by name, before any worker
-starts. Nothing here knows a particular job: `core.config` defines the training run, the recipes the others.
+starts. Nothing here knows a particular job: `core.config` defines the training run, `core.jobs` the others.
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@ completion may be, the reference and critic against the policy, the prompts agai
 
 from __future__ import annotations
 
-import importlib
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,36 +15,9 @@ from pai_cookbook.core.config import (
     ParallelConfig,
 )
 from pai_cookbook.core.inputs import prompt_text
-from pai_cookbook.rl import RLError
-from pai_cookbook.rlhf.config import GRPOConfig, PPOConfig, Reward, RLJob
-
-
-def resolve_reward(spec: str) -> Reward:
-    """The function a "module:function" string names (it must be importable in the workers too)."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ConfigError(f"reward {spec!r}: name it as 'module:function', e.g. 'pai_cookbook.rewards:exact_answer'; "
-                          f"the workers import it, so a function defined in a notebook cell must move to a .py file.")
-    try:
-        function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"reward {spec!r} cannot be imported ({err}); is {module} on the Python path?") from err
-    if not callable(function):
-        raise ConfigError(f"reward {spec!r} is a {type(function).__name__}, not a function.")
-    return function
-
-
-def score(reward: Reward, completion: str, record: dict[str, Any], what: str = "the reward function") -> float:
-    """One reward, checked: a finite number, or an RLError naming the function, the prompt and the completion."""
-    where = f"prompt {record.get('line', '?')} ({prompt_text(record)[:60]!r}), completion {completion[:60]!r}"
-    try:
-        value = reward(completion, record)
-    except Exception as err:  # noqa: BLE001 -- a user's function; its error is reported with the prompt it failed on
-        raise RLError(f"{what} raised {type(err).__name__}: {err} on {where}.") from err
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RLError(f"{what} returned {value!r} ({type(value).__name__}) on {where}; it must return a finite int "
-                      f"or float.")
-    return float(value)
+from pai_cookbook.core.jobs import RLJob
+from pai_cookbook.core.reward_functions import resolve_reward, score
+from pai_cookbook.core.rlhf_config import GRPOConfig, PPOConfig
 
 
 def records_of(prompts: Sequence[str | dict[str, Any]], what: str = "prompt") -> list[dict[str, Any]]:

@@ -12,8 +12,10 @@ from pai_cookbook.core.config import (
     ConfigError,
     ParallelConfig,
 )
-from pai_cookbook.rlhf.config import GRPOConfig, PPOConfig, RLJob
-from pai_cookbook.rlhf.prepare import prepare, resolve_reward, score
+from pai_cookbook.core.jobs import RLJob
+from pai_cookbook.core.reward_functions import resolve_reward, score
+from pai_cookbook.core.rlhf_config import GRPOConfig, PPOConfig
+from pai_cookbook.rlhf.prepare import prepare
 
 
 def grpo(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward: str, config: GRPOConfig | None = None,

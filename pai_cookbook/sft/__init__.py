@@ -10,13 +10,14 @@ or step by step:
     rows = sft.pack([len(s.ids) - 1 for s in samples], 512)  # first-fit decreasing, no sample split
     batch = sft.batch(samples, rows, 512, pad_id)             # tokens, labels, loss_mask, document ids
 
-`records` (read, encode), `rows` (pack, batch, what training reads), `prepared` (prepare, the set on disk),
-`audit` (the masks checked a second way; what the model learnt). What SFT tools get wrong is refused or counted:
+`records` (read, encode), `rows` (pack, batch), `prepared` (prepare, the set on disk), `audit` (the masks checked a
+second way; what the model learnt); what training reads from a prepared set (`load`, `global_batch`, `thd`,
+`attention_mask`) is `core.sft_data`, which the training workers share. What SFT tools get wrong is refused or counted:
 prompt tokens in the loss, the stop token left out or typed inside an answer, a second BOS, samples without a loss
 token (`chat_template` names the line and the way through).
 """
 
-from pai_cookbook.chat_template import SFTError
+from pai_cookbook.core.sft_data import SFTError, attention_mask, global_batch, load, loss_weights, thd
 from pai_cookbook.sft.audit import audit, follows, mask_html
 from pai_cookbook.sft.prepared import SPLITS, SUMMARY, TEMPLATE_FILE, check_for_training, describe, prepare, write
 from pai_cookbook.sft.records import (
@@ -35,7 +36,7 @@ from pai_cookbook.sft.records import (
     read_template,
     template_text,
 )
-from pai_cookbook.sft.rows import attention_mask, batch, efficiency, global_batch, load, loss_by_split, loss_weights, pack, thd
+from pai_cookbook.sft.rows import batch, efficiency, loss_by_split, pack
 
 __all__ = ["CHATML", "DEFAULT_SET", "DEFAULT_TEST_SET", "ROLES", "SPLITS", "SUMMARY", "TEMPLATES", "TEMPLATE_FILE",
     "TRUNCATION", "Counts", "SFTError", "Sample", "attention_mask", "audit", "batch", "check_for_training",

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pai_cookbook import chat_template as chat
-from pai_cookbook.chat_template import SFTError
 from pai_cookbook.core import inputs, nodes
+from pai_cookbook.core.sft_data import SUMMARY, SFTError, describe
 from pai_cookbook.sft.audit import audit
 from pai_cookbook.sft.records import TEMPLATES, Sample, checked_messages, encode_all, read, template_text
 from pai_cookbook.sft.rows import batch, efficiency, pack
@@ -24,7 +24,6 @@ from pai_cookbook.sft.rows import batch, efficiency, pack
 # --------------------------------------------------------------------------------------------------
 # A prepared set: what training reads (source="sft")
 # --------------------------------------------------------------------------------------------------
-SUMMARY = "sft.json"
 TEMPLATE_FILE = "chat_template.jinja"
 SPLITS = ("train", "valid")
 
@@ -183,14 +182,6 @@ def _write_splits(folder: Path, split: dict[str, Sequence[Sample]], seq_length: 
 
 
 _STORED = {"tokens": "int32", "labels": "int32", "loss_mask": "uint8", "document": "int32"}
-
-
-def describe(folder: str | Path) -> dict[str, Any]:
-    """The summary of a prepared set; a clear error when the folder is not one."""
-    path = Path(folder) / SUMMARY
-    if not path.exists():
-        raise SFTError(f"{folder} is not a prepared SFT set (no {SUMMARY}); write it with sft.prepare(...).")
-    return inputs.read_json(path, fix="Prepare the set again with sft.prepare(...).", error=SFTError)
 
 
 def check_for_training(run: Any) -> None:

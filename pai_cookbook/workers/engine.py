@@ -37,8 +37,8 @@ import torch
 from pai_cookbook.core import runtime
 from pai_cookbook.core.attention import LEFT_PADDING, left_padded_positions
 from pai_cookbook.core.config import ParallelConfig
+from pai_cookbook.core.generation import GenerationConfig
 from pai_cookbook.core.tokenizer import MegatronView
-from pai_cookbook.generate import GenerationConfig
 
 FINISH_EOS, FINISH_STOP, FINISH_LENGTH = "eos", "stop", "length"
 BATCH_SEED_STRIDE = 1_000_003  # a prime above any batch count: distinct (seed, batch) -> distinct streams

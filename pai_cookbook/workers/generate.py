@@ -12,8 +12,8 @@ import torch
 
 from pai_cookbook.core import checkpoint, runtime, worker
 from pai_cookbook.core.config import PrecisionConfig
+from pai_cookbook.core.jobs import GenerationBatch, GenerationJob
 from pai_cookbook.core.tokenizer import MegatronView
-from pai_cookbook.generate import GenerationBatch, GenerationJob
 from pai_cookbook.workers.engine import BATCH_SEED_STRIDE, build_engine, decoding_weights, generate_batch
 
 

@@ -1,6 +1,6 @@
 """The vocabulary-growth worker: a checkpoint's embedding and output layer, grown to a larger vocabulary.
 
-Its job is a `pai_cookbook.extend.GrowJob`. The checkpoint is loaded into a model built with the larger
+Its job is a `core.jobs.GrowJob`. The checkpoint is loaded into a model built with the larger
 vocabulary (Megatron-Core loads the stored rows and leaves the others zero: the embedding's and output
 layer's sharded tensors allow a shape mismatch), the new rows are initialised from the old ones, the
 padding rows are zeroed, and the result is saved as a new checkpoint with the new tokenizer. One
@@ -17,7 +17,7 @@ import torch
 
 from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
-from pai_cookbook.extend import GrowJob
+from pai_cookbook.core.jobs import GrowJob
 from pai_cookbook.workers.models import build_model
 
 

@@ -1,4 +1,4 @@
-"""The parity worker: the checkpoint's logits at each layout of a `pai_cookbook.parity.ParityJob`,
+"""The parity worker: the checkpoint's logits at each layout of a `core.jobs.ParityJob`,
 compared on rank 0 with the Hugging Face model's on the same tokens."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from pai_cookbook.core import checkpoint, runtime, worker
+from pai_cookbook.core.jobs import ParityJob
+from pai_cookbook.core.logit_parity import compare_logits, hf_logits, token_batch
 from pai_cookbook.core.model import torch_dtype
-from pai_cookbook.hf_baseline import hf_logits
-from pai_cookbook.parity import ParityJob, compare_logits, token_batch
 from pai_cookbook.workers.models import build_model
 
 

@@ -1,6 +1,6 @@
 """The RL worker: GRPO and PPO on Megatron-Core, rollouts from Megatron-Core's engine on the policy's own modules.
 
-Its job is a `pai_cookbook.rlhf.RLJob` (PPO when its config is a PPOConfig). One step (`rl_step`):
+Its job is a `core.jobs.RLJob` (PPO when its config is a PPOConfig). One step (`rl_step`):
 1. `sample`: the static inference engine of notebook 07 (`workers.generate.build_engine`) over the very
    GPTModel the optimizer updates (DDP's `.module`), temperature 1, no top-k/top-p, seeded by (seed, step),
    its controller recording each sampled token's log-probability. Every rank samples every completion (same
@@ -31,13 +31,12 @@ from typing import Any
 
 import torch
 
-from pai_cookbook import rl, rlhf
-from pai_cookbook.core import checkpoint, worker
+from pai_cookbook.core import checkpoint, reward_functions, rl_math, worker
+from pai_cookbook.core.generation import GenerationConfig
+from pai_cookbook.core.jobs import RLJob
 from pai_cookbook.core.model import torch_dtype
+from pai_cookbook.core.rl_math import AdaptiveKL, RLError
 from pai_cookbook.core.tokenizer import MegatronView
-from pai_cookbook.generate import GenerationConfig
-from pai_cookbook.rl import RLError
-from pai_cookbook.rlhf import RLJob
 from pai_cookbook.workers import engine as inference
 from pai_cookbook.workers import run_state, training
 from pai_cookbook.workers.models import build_model
@@ -103,10 +102,10 @@ def _function_scores(spec: str, rollouts: list[dict[str, Any]], records: list[di
     """The function's score of each completion, computed on global rank 0 and broadcast (it runs once)."""
     values: list[Any] = [None]
     if worker.rank() == 0:
-        function = rlhf.resolve_reward(spec)
+        function = reward_functions.resolve_reward(spec)
         try:
-            values = [[rlhf.score(function, hf_tokenizer.decode(r["tokens"], skip_special_tokens=True),
-                                  records[r["prompt"]], f"the reward function {spec}") for r in rollouts]]
+            values = [[reward_functions.score(function, hf_tokenizer.decode(r["tokens"], skip_special_tokens=True),
+                                              records[r["prompt"]], f"the reward function {spec}") for r in rollouts]]
         except RLError as err:  # every rank learns of it (none waits on the broadcast), then they save and stop
             values = [str(err)]
     torch.distributed.broadcast_object_list(values, src=0)
@@ -150,7 +149,7 @@ def rl_step(job: RLJob, step: int, model, reference, optimizer, scheduler, engin
         used = used[torch.randperm(len(used), generator=generator)]
     batch = rows(job, rollouts, job.prompt_ids) | {"score": used.float()}
     if job.ppo is None:
-        batch["advantages"] = rl.group_advantages(used, [r["group"] for r in rollouts]).float()[:, None]
+        batch["advantages"] = rl_math.group_advantages(used, [r["group"] for r in rollouts]).float()[:, None]
     batches = micro_batches(job, batch)
     old = logprobs(model, job, batches)
     ref = logprobs(reference, job, batches)
@@ -254,7 +253,7 @@ def train(job: RLJob, device) -> dict[str, Any]:
     reward_model = _frozen(config, job.reward_model_config, job.reward_model, device, head="reward") \
         if job.reward_model else None
     critic = _critic(job, device, first_step) if job.ppo is not None else None
-    controller = rl.AdaptiveKL(coef=g.kl_coef, target=g.kl_target or 1.0, horizon=g.kl_horizon) if job.ppo is not None else None
+    controller = AdaptiveKL(coef=g.kl_coef, target=g.kl_target or 1.0, horizon=g.kl_horizon) if job.ppo is not None else None
     if controller is not None and first_step and started_from:
         controller.coef = checkpoint.read_state(started_from).get("kl_coef", g.kl_coef)
     hf_tokenizer = checkpoint.load_tokenizer(config.checkpoint.load_dir)

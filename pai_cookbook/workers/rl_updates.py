@@ -9,9 +9,8 @@ from typing import Any
 
 import torch
 
-from pai_cookbook import rl
-from pai_cookbook.core import runtime
-from pai_cookbook.rlhf import RLJob
+from pai_cookbook.core import rl_math, runtime
+from pai_cookbook.core.jobs import RLJob
 from pai_cookbook.workers import training
 
 
@@ -111,9 +110,9 @@ def _policy_loss(batch: dict[str, Any], output: torch.Tensor):
     share of the global per-token mean; the sums behind the logged figures."""
     logprobs = -output.float()
     mask = batch["loss_mask"].to(logprobs)
-    surrogate, clipped = rl.clipped_surrogate(logprobs, batch["old_logprobs"].to(logprobs),
-                                              batch["advantages"].to(logprobs), batch["clip"])
-    kl = rl.kl(logprobs, batch["ref_logprobs"].to(logprobs), batch["kl_estimator"])
+    surrogate, clipped = rl_math.clipped_surrogate(logprobs, batch["old_logprobs"].to(logprobs),
+                                                   batch["advantages"].to(logprobs), batch["clip"])
+    kl = rl_math.kl(logprobs, batch["ref_logprobs"].to(logprobs), batch["kl_estimator"])
     total = ((surrogate + batch["kl_loss_coef"] * kl) * mask).sum()
     report = torch.stack([total, (surrogate * mask).sum(), (kl * mask).sum(), (clipped * mask).sum(), mask.sum()])
     return total * batch["loss_scale"], {"policy": report.detach()}
@@ -128,8 +127,8 @@ def _value_loss(batch: dict[str, Any], output: torch.Tensor):
     """PPO's clipped value loss of the micro-batch's completion tokens, summed and scaled like the policy's."""
     values = read_values(batch, output)
     mask = batch["loss_mask"].to(values)
-    error, clipped = rl.clipped_value_error(values, batch["old_values"].to(values), batch["returns"].to(values),
-                                            batch["value_clip"])
+    error, clipped = rl_math.clipped_value_error(values, batch["old_values"].to(values), batch["returns"].to(values),
+                                                 batch["value_clip"])
     total = (error * mask).sum()
     return total * batch["loss_scale"], {"value": torch.stack([total, (clipped * mask).sum(), mask.sum()]).detach()}
 
@@ -190,10 +189,10 @@ def ppo_advantages(job: RLJob, batches: list[dict[str, Any]], kl_coef: float) ->
     sums = []
     for mb in batches:
         mask = mb["loss_mask"]
-        kl = rl.kl(mb["old_logprobs"], mb["ref_logprobs"], g.kl_estimator) * mask
+        kl = rl_math.kl(mb["old_logprobs"], mb["ref_logprobs"], g.kl_estimator) * mask
         token_rewards = -kl_coef * kl
         token_rewards[torch.arange(mask.shape[0]), mb["end"] - 1] += mb["score"]  # the last completion token
-        advantages, returns = rl.gae(token_rewards, mb["old_values"], mask, g.gamma, g.lam)
+        advantages, returns = rl_math.gae(token_rewards, mb["old_values"], mask, g.gamma, g.lam)
         residual = (returns - mb["old_values"]) * mask
         mb["advantages"], mb["returns"] = advantages, returns
         sums.append({"ppo": torch.stack([advantages.sum(), (advantages ** 2).sum(), mask.sum(), kl.sum(),
@@ -205,7 +204,7 @@ def ppo_advantages(job: RLJob, batches: list[dict[str, Any]], kl_coef: float) ->
     if g.whiten_advantages:
         mean, variance = a1 / count, (a2 - a1 * a1 / count) / max(count - 1, 1.0)
         for mb in batches:
-            mb["advantages"] = rl.whiten(mb["advantages"], mb["loss_mask"], (mean, variance))
+            mb["advantages"] = rl_math.whiten(mb["advantages"], mb["loss_mask"], (mean, variance))
     returns_variance = r2 / count - (r1 / count) ** 2
     residual_variance = e2 / count - (e1 / count) ** 2
     return {"kl_sequence": kl / max(completions, 1.0),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pai_cookbook.core import runtime, worker
-from pai_cookbook.train import Sweep
+from pai_cookbook.core.jobs import Sweep
 from pai_cookbook.workers.training import train
 
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from pai_cookbook import data, moe, sft
-from pai_cookbook.core import checkpoint, fp8, runtime, tokenizer, worker
+from pai_cookbook.core import checkpoint, fp8, indexed_data, runtime, sft_data, tokenizer, worker
 from pai_cookbook.core.config import RunConfig
 from pai_cookbook.core.model import torch_dtype
+from pai_cookbook.core.router_stats import RouterStats
 from pai_cookbook.core.runtime import DeviceInfo
 from pai_cookbook.workers.models import build_model
 from pai_cookbook.workers.run_state import StepLog, restore, save_if_due, stop_non_finite
@@ -92,7 +92,7 @@ def model_forward(model: torch.nn.Module, batch: dict[str, Any], labels: bool = 
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
     elif "document" in batch:
-        mask = sft.attention_mask(batch["document"].to(device))
+        mask = sft_data.attention_mask(batch["document"].to(device))
     return model(tokens, position_ids, attention_mask=mask, labels=batch["labels"].to(device) if labels else None,
                  packed_seq_params=packed)
 
@@ -193,12 +193,12 @@ def micro_batches(config: RunConfig, dataset: Any, step: int, shuffle: bool = Tr
     if dataset is None:
         batches = synthetic_batches(config, step, dp_rank, dp_size)
     elif config.data.source == "sft":
-        return sft.global_batch(dataset, step, gbs, mbs, dp_rank, dp_size, config.seed, config.data.loss_average,
-                                shuffle)
+        return sft_data.global_batch(dataset, step, gbs, mbs, dp_rank, dp_size, config.seed,
+                                     config.data.loss_average, shuffle)
     else:
-        batches = data.global_batch(dataset, step, gbs, mbs, dp_rank, dp_size)
+        batches = indexed_data.global_batch(dataset, step, gbs, mbs, dp_rank, dp_size)
     for mb in batches:  # pretraining rows: every position is one sample's token
-        mb["loss_mask"], mb["loss_count"] = sft.loss_weights(mb["loss_mask"], None, config.data.loss_average)
+        mb["loss_mask"], mb["loss_count"] = sft_data.loss_weights(mb["loss_mask"], None, config.data.loss_average)
     return batches
 
 
@@ -211,7 +211,7 @@ def forward_backward(config: RunConfig, model, batches: list[dict[str, torch.Ten
     if "document" in batches[0] and uses_te_attention(model):
         # THD: each micro-batch's rows laid end to end as one sequence with the conversations' boundaries;
         # the pipeline stages pass activations of that shape ([rows x seq, 1, hidden]) to each other
-        batches = [sft.thd(b) for b in batches]
+        batches = [sft_data.thd(b) for b in batches]
         seq_length, micro_batch_size = seq_length * micro_batch_size, 1
     # One iterator per model chunk: with virtual pipeline each chunk consumes the same micro-batches.
     iterators = [iter(batches) for _ in model]
@@ -265,10 +265,10 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
     first_step, started_from = restore(config, model, optimizer, scheduler)
     train_set = valid_set = None
     if config.data.source == "indexed":
-        train_set, valid_set = data.build_datasets(config, config.eval_iters)
+        train_set, valid_set = indexed_data.build_datasets(config, config.eval_iters)
     elif config.data.source == "sft":
-        train_set = sft.load(config.data.paths[0], "train")
-        valid_set = sft.load(config.data.paths[0], "valid") if config.eval_interval else None
+        train_set = sft_data.load(config.data.paths[0], "train")
+        valid_set = sft_data.load(config.data.paths[0], "valid") if config.eval_interval else None
     ckpt = config.checkpoint
     assets = Path(ckpt.load_dir) / checkpoint.HF_ASSETS if ckpt.load_dir else _dataset_tokenizer(config)
     if config.data.source == "sft":  # the chat template the set was rendered with replaces the tokenizer's own
@@ -279,7 +279,7 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
     saved = None
     log = StepLog(config, device, fresh=first_step == 0, log_dir=log_dir)
     name, offset, total = progress or (None, 0, config.train_iters)
-    router = moe.RouterStats([m.module for m in model], config) if config.model.is_moe else None
+    router = RouterStats([m.module for m in model], config) if config.model.is_moe else None
     fp8_backend = config.precision.fp8.decided_backend if config.precision.fp8 is not None else None
     start = time.perf_counter()
     for step in range(first_step, config.train_iters):
@@ -338,7 +338,7 @@ def _dataset_tokenizer(config: RunConfig) -> Path | None:
     ckpt = config.checkpoint
     if config.data.source == "synthetic" or not ckpt.save_dir:
         return None
-    describe = sft.describe if config.data.source == "sft" else data.describe
+    describe = sft_data.describe if config.data.source == "sft" else indexed_data.describe
     summary = describe(config.data.paths[0])
     source = Path(summary["tokenizer"])
     if not source.exists() or tokenizer.fingerprint(source) != summary.get("tokenizer_sha256"):

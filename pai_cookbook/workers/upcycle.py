@@ -1,5 +1,5 @@
 """The upcycling worker: a dense checkpoint's MLPs copied into every expert of an MoE model, with
-Megatron-Core's own `upcycle_state_dict` (its job is a `pai_cookbook.moe.UpcycleJob`)."""
+Megatron-Core's own `upcycle_state_dict` (its job is a `core.jobs.UpcycleJob`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from pai_cookbook.core import checkpoint, worker
 from pai_cookbook.core.config import PrecisionConfig
-from pai_cookbook.moe import UpcycleJob
+from pai_cookbook.core.jobs import UpcycleJob
 from pai_cookbook.workers.models import build_model
 
 

@@ -1,21 +1,47 @@
-"""GRPO's and PPO's knobs (`GRPOConfig`, `PPOConfig`, checked when built) and the RL worker's job (`RLJob`)."""
+"""The knobs of RLHF's runs, checked when built: a reward model's (`RewardModelConfig`), GRPO's (`GRPOConfig`) and
+PPO's (`PPOConfig`). The recipes (`reward_model`, `rlhf`) export them; the jobs that carry them to the workers are
+`core.jobs.RewardModelJob` and `core.jobs.RLJob`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-from pai_cookbook.core import layout
-from pai_cookbook.core.config import (
-    ConfigError,
-    RunConfig,
-)
-from pai_cookbook.core.job import Job
-from pai_cookbook.core.model_config import ModelConfig
-from pai_cookbook.rl import KL_ESTIMATORS
+from pai_cookbook.core.model_config import ConfigError
+from pai_cookbook.core.rl_math import KL_ESTIMATORS
 
-Reward = Callable[[str, dict[str, Any]], float]
+
+@dataclass(kw_only=True)
+class RewardModelConfig:
+    """The knobs of a reward-model run; batch sizes count pairs (each is two sequences)."""
+
+    steps: int = 100
+    lr: float = 1e-4
+    """Peak learning rate, after `warmup_steps`, decayed by cosine to lr / 10."""
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    global_batch_size: int = 16
+    """Pairs per optimizer step (over all data-parallel ranks)."""
+    micro_batch_size: int = 4
+    """Pairs per forward/backward: 2 x this sequences."""
+    eval_interval: int = 0
+    """Held-out accuracy every this many steps (and after the last); 0: after the last only."""
+    seed: int = 1234
+    """Pair order (reshuffled every pass over the set) and the head's initial weights."""
+    chat_template: str = "auto"
+    """Prompts through the tokenizer's chat template: "auto" (when it has one), "always", "never"."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"RewardModelConfig.{name}={getattr(self, name)} must be at least 1.")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"RewardModelConfig.global_batch_size={self.global_batch_size} must be a multiple of "
+                              f"micro_batch_size={self.micro_batch_size}.")
+        if not self.lr > 0 or self.warmup_steps < 0 or self.eval_interval < 0:
+            raise ConfigError(f"RewardModelConfig: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} "
+                              f"and eval_interval={self.eval_interval} >= 0.")
 
 
 @dataclass(kw_only=True)
@@ -140,54 +166,3 @@ class PPOConfig(GRPOConfig):
     def _check_group_size(self) -> None:
         if self.group_size < 1:
             raise ConfigError(f"PPOConfig.group_size={self.group_size} must be at least 1.")
-
-
-@dataclass(kw_only=True)
-class RLJob(Job):
-    """The RL worker's job: the policy's training config, the reference, the prompts and the reward; for PPO
-    the critic's training config."""
-
-    WORKER: ClassVar[str] = "pai_cookbook.workers.rl"
-    SPANS_NODES: ClassVar[bool] = True
-    REPEATED_STEPS: ClassVar[bool] = True
-
-    run: RunConfig
-    """Model, layout, precision, optimizer, checkpoints (load_dir: the starting policy)."""
-    grpo: GRPOConfig | None = None
-    ppo: PPOConfig | None = None
-    """One of the two: the algorithm and its knobs."""
-    reference: str
-    reward: str
-    """The reward as given: "module:function", or a reward model's checkpoint (then `reward_model`)."""
-    reward_model: str | None = None
-    reward_model_config: ModelConfig | None = None
-    critic: RunConfig | None = None
-    """PPO: the critic's training config (load_dir: where it starts; save_dir: the policy's save_dir/critic)."""
-    true_reward: str | None = None
-    """A "module:function" logged beside the reward and never trained on (reward over-optimisation shows as
-    the reward rising while this falls)."""
-    records: list[dict[str, Any]]
-    prompt_ids: list[list[int]]
-    eval_records: list[dict[str, Any]] = field(default_factory=list)
-    eval_ids: list[list[int]] = field(default_factory=list)
-    eos_ids: list[int]
-    pad_id: int
-
-    @property
-    def config(self) -> GRPOConfig:
-        return self.ppo or self.grpo
-
-    def check(self, world_size: int, device: Any) -> None:
-        self.run.validate(world_size, device)
-        layout.check(self.run.model, self.run.parallel, world_size, purpose="infer")  # the engine's layout too
-        if self.critic is not None:
-            self.critic.validate(world_size, device)
-        # the training rows are checked as the global batch; the held-out ones go through the same schedule
-        whole = self.run.parallel.data_parallel_size(world_size) * self.config.micro_batch_size
-        rows = len(self.eval_ids) * self.config.eval_samples
-        if rows % whole:
-            raise ConfigError(f"held-out prompts x eval_samples = {rows} completions do not split into whole "
-                              f"micro-batches of {self.config.micro_batch_size} on every data-parallel rank; make "
-                              f"it a multiple of {whole}.")
-
-
