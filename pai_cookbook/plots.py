@@ -58,20 +58,30 @@ def parity_bars(rows: Sequence[dict], bound: float, path: str | Path | None = No
 
 
 def train_valid_loss(train: Sequence[float], valid: Sequence[Sequence[float]], path: str | Path | None = None,
-                     first_step: int = 0, title: str = "Continued pretraining"):
-    """Training loss per step with validation loss points ((step, loss) pairs) on the same axes."""
+                     first_step: int = 0, title: str = "Continued pretraining",
+                     grad_norms: Sequence[float | None] | None = None):
+    """Training loss per step with validation loss points ((step, loss) pairs) on the same axes; with `grad_norms`,
+    the gradient norm per step in a panel below (where a loss spike's cause shows first)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.plot(range(first_step + 1, first_step + len(train) + 1), train, linewidth=1.2, label="train")
+    panels = 2 if grad_norms else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(6.4, 3.6 * panels), sharex=True, squeeze=False)
+    ax = axes[0][0]
+    steps = range(first_step + 1, first_step + len(train) + 1)
+    ax.plot(steps, train, linewidth=1.2, label="train")
     if valid:
-        steps, losses = zip(*valid)
-        ax.plot(steps, losses, "o-", color="tab:red", label="validation")
-    ax.set_xlabel("step")
+        valid_steps, losses = zip(*valid)
+        ax.plot(valid_steps, losses, "o-", color="tab:red", label="validation")
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    if grad_norms:
+        norm = axes[1][0]
+        norm.plot(steps, [float("nan") if g is None else g for g in grad_norms], linewidth=1.0, color="tab:green")
+        norm.set_ylabel("gradient norm (before clipping)")
+        norm.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("step")
     return _finish(fig, path)
 
 

@@ -226,13 +226,14 @@ def history(run_dir: str | Path) -> dict[str, Any]:
     A step logged twice (a launch killed after logging it but before its checkpoint, then resumed)
     keeps its last record: the one the checkpoints continue from.
     Returns:
-        {"steps", "losses", "valid_losses" ([(step, loss)]), "tokens_per_s", "mfu" (against the GPUs' datasheet
+        {"steps", "losses", "grad_norms", "valid_losses" ([(step, loss)]), "tokens_per_s", "mfu" (against the GPUs' datasheet
         peak; None on a CPU or an unknown GPU), "mfu_of_measured_peak" (against the matmul peak measured at the
         start)}, in step order; with
         emulated FP8 also "fp8": per step, per linear and operand, amax, scale, overflow and underflow.
     """
     records = logged_steps(run_dir)
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
+            "grad_norms": [r.get("grad_norm") for r in records],
             "valid_losses": [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r],
             "tokens_per_s": [r["tokens_per_s"] for r in records], "mfu": [r["mfu"] for r in records],
             "mfu_of_measured_peak": [r.get("mfu_of_measured_peak") for r in records]} | (

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ci.prose_numbers import unprinted
 from ci.run_notebooks import execute_notebook, notebooks
 from pai_cookbook.report import load_metrics
 
@@ -233,4 +234,7 @@ def test_notebook_executes_and_meets_its_claims(notebook, tmp_path):
     output_dir = execute_notebook(notebook, tmp_path)
     CHECKS[notebook.stem](load_metrics(output_dir))
     check_reads_cleanly(tmp_path / notebook.name)
+    # Every figure the prose states is one this run printed (definitions: ci/prose_numbers.DEFINITIONS).
+    missing = unprinted(tmp_path / notebook.name)
+    assert not missing, f"{notebook.stem}: numbers in the prose that the run did not print: {missing[:5]}"
     assert list(output_dir.glob("*.png")), "each notebook saves its figures as PNG"
