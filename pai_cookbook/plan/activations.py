@@ -21,8 +21,9 @@ kv = groups x head_dim, f = ffn:
   layer's input, the loss's exp(logits) in fp32 s b V/t x 4 and its targets (s b x 13) and the loss mask (s b x 4).
 
 Recompute: selective (core_attn) drops the kernel's log-sum-exp (with a flash kernel nothing else: q, k, v and the
-output are saved anyway), full keeps each checkpoint's input (s_n b h e) and the rotary frequencies (s head_dim x 4),
-and recomputes one group of layers in backward, whose activations then exist at once.
+output are saved anyway), full keeps each checkpoint's input (s_n b h e) and the rotary frequencies (s head_dim x 4,
+one tensor per rank: Megatron-Core caches it), and recomputes one group of layers in backward, whose activations then
+exist at once.
 """
 
 from __future__ import annotations
@@ -147,8 +148,7 @@ def chunk_bytes(model: ModelConfig, layout: Layout, workload: Workload, pp_rank:
     if layout.recompute == "full":
         g = layout.recompute_num_layers
         checkpoint_input = x.s_norm * x.b * model.hidden_size * x.e
-        rotary = x.s * model.head_dim * FP32 if model.position_embedding_type == "rope" else 0
-        forward += len(layers) // g * checkpoint_input + rotary
+        forward += len(layers) // g * checkpoint_input
         groups = [layers[i:i + g] for i in range(0, len(layers), g)]
         # in fp32 the first norm saves the checkpoint's input itself, which is already held
         shared_input = checkpoint_input if x.e == FP32 else 0
@@ -185,7 +185,11 @@ def peak_bytes(model: ModelConfig, layout: Layout, workload: Workload, world: in
     schedule played forward, each forward adding its chunk's saved bytes, each backward freeing them after its
     recomputation (if any) peaked."""
     chunks = [chunk_bytes(model, layout, workload, pp_rank, c) for c in range(layout.vpp or 1)]
-    live = in_flight = peak = peak_in_flight = 0
+    x = dims(layout, workload)
+    # full recompute saves the rotary frequencies with every checkpoint: one tensor, cached by Megatron-Core's
+    # RotaryEmbedding for every micro-batch and chunk of the rank
+    live = x.s * model.head_dim * FP32 if layout.recompute == "full" and model.position_embedding_type == "rope" else 0
+    in_flight = peak = peak_in_flight = 0
     for op, c in schedule(layout, workload.micro_batches(layout, world), pp_rank):
         chunk = chunks[c]
         if op == "F":

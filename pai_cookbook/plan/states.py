@@ -129,6 +129,12 @@ def buffer_numel(sizes: tuple[int, ...], group: int, distributed: bool, shared: 
     return main + (_pad(_pad(shared, PARAM_ALIGN), bucket) if shared else 0)
 
 
+def optimizer_share(layout: Layout, group: int) -> float:
+    """The fraction of a buffer's optimizer state one rank keeps: 1 / (its reduction group) with the distributed
+    optimizer (ZeRO-1), all of it without."""
+    return 1 / group if layout.distributed_optimizer else 1.0
+
+
 @dataclass(frozen=True)
 class States:
     """Bytes one rank keeps between steps."""
@@ -158,6 +164,6 @@ def states(model: ModelConfig, layout: Layout, workload: Workload, world: int, p
             params += unpadded
             weights += (numel if dist else unpadded) * e
             grads += numel * GRAD_BYTES
-            share = 1 / group if dist else 1
+            share = optimizer_share(layout, group)
             optimizer += round((unpadded * per_param + tensors * STEP_COUNTER_BYTES) * share)
     return States(weights=weights, gradients=grads, optimizer=optimizer, params=params)

@@ -4,7 +4,8 @@ Job: MemoryRuns(configs, record)
   Each config (with `measure_memory=True`) trains through the training worker's own loop (`workers.training.train`)
   in its own Megatron-Core parallel state, one launch for all; returns each run's every-rank `memory` figures.
   With `record`, each config is instead stepped by `build` and `train_step` with a recording probe, and the storages
-  live at the activation peak come back too (to see what makes a term up).
+  live at the activation peak come back too (to see what makes a term up). The result's "layers" (added by
+  `core.worker`) records which layers ran.
 """
 
 from dataclasses import dataclass, field
@@ -40,11 +41,9 @@ def _recorded(config: RunConfig, device) -> list[dict]:
 @worker.entry(MemoryRuns)
 def main(job: MemoryRuns) -> dict:
     with worker.session():
-        runs, layers = [], set()
-        for config, device in zip(job.configs, runtime.each_layout((c.parallel, c.seed) for c in job.configs)):
-            runs.append(_recorded(config, device) if job.record else train(config, device)["memory"])
-            layers.add(device.layers)
-        return {"runs": runs, "layers": sorted(layers)}
+        devices = runtime.each_layout((c.parallel, c.seed) for c in job.configs)
+        return {"runs": [_recorded(config, device) if job.record else train(config, device)["memory"]
+                         for config, device in zip(job.configs, devices)]}
 
 
 if __name__ == "__main__":
