@@ -15,8 +15,12 @@ import pytest
 
 from pai_cookbook.core import families, launch
 from pai_cookbook.core.config import DataConfig, MemoryConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig
-from pai_cookbook.plan import activations, memory, states
-from pai_cookbook.plan.layouts import from_run_config
+from pai_cookbook.core.model_config import ConfigError
+from pai_cookbook.plan import __main__ as plan_cli
+from pai_cookbook.plan import activations, hardware, layouts, memory, speed, states
+from pai_cookbook.plan.hardware import Cluster
+from pai_cookbook.plan.layouts import Layout, Workload, from_run_config
+from pai_cookbook.plan.shapes import SHAPES
 from tests.workers.memory_runs import MemoryRuns
 
 TOLERANCE = 0.05
@@ -129,3 +133,48 @@ def test_the_comparison_fails_when_a_term_is_dropped(term, measured, monkeypatch
     module, name, replacement = DROPS[term]
     monkeypatch.setattr(module, name, replacement)
     assert max(errors(measured))[0] > TOLERANCE, f"dropping {term} went unnoticed"
+
+
+def test_the_step_time_reproduces_the_run_its_mfu_was_calibrated_on():
+    """Llama-3.2-1B shape, bf16, seq 2048, micro-batch 4, one H100: 44,300 tokens/s measured (2026-11-26)."""
+    one = Cluster(gpu=hardware.gpu("H100-80GB"), gpus_per_node=1)
+    time = speed.step_time(SHAPES["Llama-3.2-1B"], Layout(micro_batch_size=4),
+                           Workload(seq_length=2048, global_batch_size=8), one)
+    assert time.tokens_per_s == pytest.approx(44_300, rel=0.01)
+
+
+def test_weights_and_optimizer_match_megatron_lms_18_bytes_per_parameter():
+    """Megatron-LM's theoretical_memory_usage.py: 18 bytes per parameter, 6 + 12 / DP with the distributed optimizer
+    (bf16 weights, fp32 gradients, fp32 main weights and Adam's two moments); the plan adds only DDP's padding."""
+    model, workload = SHAPES["Llama-2-7B"], Workload(seq_length=4096, global_batch_size=128)
+    for distributed, per_param in ((False, 18), (True, 6 + 12 / 8)):
+        layout = Layout(distributed_optimizer=distributed)
+        held = states.states(model, layout, workload, 8, 0)
+        assert held.weights + held.gradients + held.optimizer == pytest.approx(per_param * held.params, rel=1e-4)
+
+
+def test_the_cli_ranks_the_layouts_that_fit(capsys):
+    assert plan_cli.main(["--model", "Llama-3.2-1B", "--gpus-per-node", "2", "--gpu", "H100-80GB",
+                          "--seq-length", "2048", "--global-batch", "16", "--tokens", "1e9", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "valid layouts" in out and "does not fit" not in out.splitlines()[2]
+    assert len(out.splitlines()) == 2 + 3
+
+
+def test_a_layout_the_cookbook_refuses_is_not_planned():
+    model = SHAPES["Llama-2-7B"]
+    with pytest.raises(ConfigError, match="TP=3"):
+        layouts.check(model, Layout(tp=3), Workload(seq_length=4096, global_batch_size=128), 3)
+    with pytest.raises(ConfigError, match="2 x CP"):
+        layouts.check(model, Layout(cp=2), Workload(seq_length=4094, global_batch_size=128), 2)
+
+
+def test_the_llama_2_7b_breakdown_in_the_docs_is_what_the_plan_says():
+    """docs/planning.md: Llama-2-7B, seq 4096, NeMo's H100 layout (8 GPUs, TP1 PP1, micro-batch 1, global 128,
+    distributed optimizer), on the local spec."""
+    layout = Layout(micro_batch_size=1, distributed_optimizer=True)
+    terms = memory.peak_memory(SHAPES["Llama-2-7B"], layout, Workload(seq_length=4096, global_batch_size=128),
+                               8).terms()
+    gib = {k: round(v / hardware.GIB, 2) for k, v in terms.items()}
+    assert (gib["weights"], gib["gradients"], gib["optimizer"]) == (12.55, 25.10, 9.41)
+    assert (round(gib["activations"], 1), round(gib["total"], 1)) == (30.2, 81.3)
