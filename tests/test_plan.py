@@ -19,7 +19,7 @@ from pai_cookbook.core.model_config import ConfigError
 from pai_cookbook.plan import __main__ as plan_cli
 from pai_cookbook.plan import activations, hardware, layouts, memory, speed, states
 from pai_cookbook.plan.hardware import Cluster
-from pai_cookbook.plan.layouts import Layout, Workload, from_run_config
+from pai_cookbook.plan.layouts import Layout, Workload
 from pai_cookbook.plan.shapes import SHAPES
 from tests.workers.memory_runs import MemoryRuns
 
@@ -84,17 +84,8 @@ def measured(tmp_path_factory) -> dict[str, tuple[RunConfig, int, list[dict]]]:
 def errors(measured) -> list[tuple[float, str, int, str, int, int]]:
     """(relative error, configuration, rank, term, measured, predicted) for every rank and measured term, and for
     their sum."""
-    rows = []
-    for name, (config, world, ranks) in measured.items():
-        layout, workload = from_run_config(config)
-        for rank, held in enumerate(ranks):
-            stage = rank // (world // layout.pp)  # Megatron-Core's rank order puts PP outermost
-            predicted = memory.stage_memory(config.model, layout, workload, world, stage).terms()
-            predicted["sum"] = sum(predicted[k] for k in memory.MEASURED)
-            held = held | {"sum": sum(held[k] for k in memory.MEASURED)}
-            rows += [(abs(predicted[k] - held[k]) / held[k], name, rank, k, held[k], predicted[k])
-                     for k in memory.MEASURED + ("sum",)]
-    return rows
+    return [(r["relative_error"], name, r["rank"], r["term"], r["measured"], r["predicted"])
+            for name, (config, world, ranks) in measured.items() for r in memory.compare(config, world, ranks)]
 
 
 def test_predicted_memory_is_within_5_percent_of_what_every_rank_holds(measured):

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from pai_cookbook.core.config import RunConfig
 from pai_cookbook.core.model_config import ModelConfig
 from pai_cookbook.plan import activations, states
-from pai_cookbook.plan.layouts import Layout, Workload
+from pai_cookbook.plan.layouts import Layout, Workload, from_run_config
 
 FRAMEWORK_OVERHEAD_GIB = 3.0
 """Assumed, not measured by this project: ~0.5 GiB CUDA context (H100, torch 2.x), ~1 GiB of NCCL buffers for a few
@@ -69,3 +70,26 @@ def peak_memory(model: ModelConfig, layout: Layout, workload: Workload, world: i
                 overhead_gib: float = FRAMEWORK_OVERHEAD_GIB) -> StageMemory:
     """The most loaded pipeline stage's terms: the memory a GPU must have for this layout."""
     return max(all_stages(model, layout, workload, world, overhead_gib), key=lambda m: m.total)
+
+
+def compare(config: RunConfig, world: int, measured: list[dict[str, int]]) -> list[dict]:
+    """What each rank of a run held beside what the plan predicts for its pipeline stage.
+
+    Args:
+        config: the run (trained with `measure_memory=True` on Megatron-Core's local spec).
+        world: its processes.
+        measured: every rank's bytes per term of `MEASURED`, in rank order (the run's result["memory"]).
+    Returns:
+        One row per rank and term of `MEASURED`, then their "sum": {"rank", "stage", "term", "measured", "predicted",
+        "relative_error"} (|predicted - measured| / measured).
+    """
+    layout, workload = from_run_config(config)
+    rows = []
+    for rank, held in enumerate(measured):
+        stage = rank // (world // layout.pp)  # Megatron-Core's rank order puts PP outermost
+        predicted = stage_memory(config.model, layout, workload, world, stage).terms()
+        for term in MEASURED + ("sum",):
+            pair = [sum(side[k] for k in MEASURED) if term == "sum" else side[term] for side in (held, predicted)]
+            rows.append({"rank": rank, "stage": stage, "term": term, "measured": pair[0], "predicted": pair[1],
+                         "relative_error": abs(pair[1] - pair[0]) / pair[0]})
+    return rows
