@@ -100,7 +100,7 @@ def preflight(config: RunConfig, world_size: int) -> None:
 RESUMABLE = ("train_iters", "optimizer.lr", "optimizer.min_lr", "optimizer.lr_warmup_iters", "optimizer.lr_decay_style",
              "optimizer.weight_decay", "optimizer.adam_beta1", "optimizer.adam_beta2", "optimizer.adam_eps",
              "optimizer.clip_grad", "checkpoint", "log_interval", "eval_interval", "eval_iters", "data.micro_batch_size",
-             "memory", "precision.fp8")
+             "memory", "precision.fp8", "measure_memory")
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:

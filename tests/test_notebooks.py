@@ -177,6 +177,28 @@ def check_rlhf(m: dict) -> None:
     assert m["max_logprob_diff"] < 1e-4
 
 
+def check_plan(m: dict) -> None:
+    # The default question (Llama-3-8B, seq 4096, global batch 256, one node of 8 H100s) has layouts that fit:
+    # measured 632 of 1,056. None fitting would mean the memory model or the layout search broke.
+    assert m["gpus"] == 8 and m["layouts"] >= 1 and m["fitting"] >= 1
+    assert m["best_memory_gib"] <= 79.1 and m["best_tokens_per_s"] > 0 and m["best_days"] > 0
+    # The prose: compute is "nearly the whole step" of the fastest layout (measured 98.8%); 90% is what the words allow.
+    assert m["best_compute_share"] >= 0.9
+    # The prose: the fastest few are a tie, closer than the step time's own uncertainty (measured 0.6% over the first
+    # five; docs/planning.md puts the MFU's uncertainty at up to 2x). 5% keeps "a tie" honest.
+    assert m["top5_speed_spread"] <= 0.05
+    # The plainest layout (data parallel only, all of Adam's state on every GPU) cannot fit an 8B model: 18 bytes per
+    # parameter before any activation (measured 175 GiB against 79.1).
+    assert m["plain_fits"] is False
+    # Section 3 hands notebook 03 a layout its trainer runs: no CP (ParallelConfig has none yet).
+    assert not any(part.startswith("CP") for part in m["chosen_layout"].split())
+    # The CPU check: three layouts on 2 processes, on Megatron-Core's local layers (what the plan models), four terms
+    # and their sum on each process. tests/test_plan.py's bound is 5% per term; measured worst 0.06% (the distributed
+    # optimizer's ranks hold slightly different shares, the plan predicts their average).
+    assert m["cpu_configs"] == 3 and m["cpu_layers"] == ["local"] and m["cpu_comparisons"] == 30
+    assert m["cpu_worst_relative_error"] <= 0.05
+
+
 # Notebooks executed twice into one OUTPUT_DIR, first with these parameters, then with their defaults.
 RESUME_FIRST = {"TRAIN_ITERS": 100}
 RUN_TWICE = {"03_continued_pretraining": RESUME_FIRST}
@@ -191,6 +213,7 @@ CHECKS = {
     "06_supervised_finetuning": check_sft,
     "07_inference": check_inference,
     "08_rlhf": check_rlhf,
+    "09_plan_a_run": check_plan,
 }
 
 

@@ -282,6 +282,9 @@ class RunConfig(Job):
     """Steps between validation-loss evaluations (and one at the end); 0 disables validation."""
     eval_iters: int = 2
     """Global batches of the validation split per evaluation."""
+    measure_memory: bool = False
+    """Count what each rank holds (`core.memory_probe`): weights, gradient buffers, optimizer state, peak saved
+    activations; every rank's figures come back in the result's "memory"."""
 
     def __post_init__(self) -> None:
         positive(self, "train_iters", "log_interval", "eval_iters")

@@ -36,22 +36,25 @@ from pai_cookbook.core import failures, nodes, processes, runtime, worker
 from pai_cookbook.core.failures import WorkerError
 from pai_cookbook.core.job import Job, decided
 
-# Warnings every CPU worker would print, advising a CUDA setting; kept out of the notebook on the CPU path only.
-CPU_BENIGN_WARNINGS = ("When using async grad allreduce",)
+# Warnings every CPU worker would print, advising a CUDA setting (on CUDA the launcher sets it); kept out of the
+# notebook on the CPU path only.
+CPU_BENIGN_WARNINGS = ("When using async grad allreduce", "When using sequence parallelism it is recommended")
 # On every device: Megatron-Core's import-time notice that TE/Apex are missing (the environment report
 # says which layers run, once; `pai_cookbook/__init__` filters it in the notebook process too), and
 # deprecations raised inside Megatron-Core and torch's checkpoint code (Megatron-Core's default
 # cuda_graph_scope; its use of torch DCP's load_state_dict and ShardedTensor): nothing to act on.
 # Also Megatron-Core's GPT dataset noting that a tokenizer's pad id equals another special id (SmolLM2's pad
 # is its EOS): the cookbook's samples are packed windows of documents, never padded, so nothing is masked;
-# and torch deprecating a collective that Megatron-Core's MoE dispatcher calls.
+# and torch deprecating collectives that Megatron-Core's MoE dispatcher and distributed optimizer call.
 ALWAYS_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
                           "full scope is deprecated", "`load_state_dict` is deprecated", "Please use DTensor instead",
                           "The pad token id in the tokenizer collides",
                           # Megatron-Core 0.16 announcing the static engine's future removal (GRPO's rollouts use it)
                           "The static engine will be deprecated",
-                          # torch's deprecation of the collective Megatron-Core's MoE dispatcher calls
-                          "`torch.distributed.all_gather_into_tensor` is deprecated")
+                          # torch's deprecation of the collectives Megatron-Core's MoE dispatcher and distributed
+                          # optimizer call
+                          "`torch.distributed.all_gather_into_tensor` is deprecated",
+                          "`torch.distributed.reduce_scatter_tensor` is deprecated")
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for transparent huge pages under its CPU allocator (c10's alloc_cpu: madvise(MADV_HUGEPAGE) on
 allocations of 2 MB or more). Opt-in: set it in the environment and every worker inherits it. Not the default: its

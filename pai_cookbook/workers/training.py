@@ -7,6 +7,7 @@ worker itself: the workers (`workers/train.py`, ...) import it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import torch
 
 from pai_cookbook.core import checkpoint, fp8, indexed_data, runtime, sft_data, tokenizer, worker
 from pai_cookbook.core.config import RunConfig
+from pai_cookbook.core.memory_probe import MemoryProbe
 from pai_cookbook.core.model import torch_dtype
 from pai_cookbook.core.router_stats import RouterStats
 from pai_cookbook.core.runtime import DeviceInfo
@@ -239,14 +241,19 @@ def evaluate(config: RunConfig, model, dataset: Any) -> float:
     return sum(losses) / len(losses)
 
 
-def train_step(config: RunConfig, model, optimizer, scheduler, step: int, dataset: Any = None) -> dict[str, float]:
-    """One optimizer step over the global batch (gradient accumulation over micro-batches)."""
+def train_step(config: RunConfig, model, optimizer, scheduler, step: int, dataset: Any = None,
+               probe: MemoryProbe | None = None) -> dict[str, float]:
+    """One optimizer step over the global batch (gradient accumulation over micro-batches); `probe` counts what the
+    rank holds (`core.memory_probe`)."""
     batches = micro_batches(config, dataset, step)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    reports = forward_backward(config, model, batches, forward_only=False)
+    with probe.activations(model) if probe else contextlib.nullcontext():
+        reports = forward_backward(config, model, batches, forward_only=False)
     _, grad_norm, _ = optimizer.step()
+    if probe:
+        probe.after_step(model, optimizer)
     lr = optimizer.param_groups[0]["lr"]
     scheduler.step(increment=1)
     return {"loss": global_mean_loss(reports), "grad_norm": float(grad_norm or 0.0), "lr": float(lr)}
@@ -281,10 +288,11 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
     name, offset, total = progress or (None, 0, config.train_iters)
     router = RouterStats([m.module for m in model], config) if config.model.is_moe else None
     fp8_backend = config.precision.fp8.decided_backend if config.precision.fp8 is not None else None
+    probe = MemoryProbe() if config.measure_memory else None
     start = time.perf_counter()
     for step in range(first_step, config.train_iters):
         step_start = time.perf_counter()
-        history.append(train_step(config, model, optimizer, scheduler, step, train_set))
+        history.append(train_step(config, model, optimizer, scheduler, step, train_set, probe))
         history[-1] |= log.throughput(time.perf_counter() - step_start)
         if not all(math.isfinite(history[-1][k]) for k in ("loss", "grad_norm")):
             log.write(step + 1, history[-1])
@@ -328,6 +336,7 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
         "checkpoint": str(saved) if saved else None,
         # MoE: per step, each layer's expert shares, aux/z-losses and dropped tokens (moe.RouterStats)
         "router": [{k: h[k] for k in h if k not in _STEP_FIGURES} for h in history] if router else [],
+        "memory": probe.gather() if probe else None,  # every rank's bytes held (core.memory_probe)
     }
 
 

@@ -1,0 +1,46 @@
+"""`python -m pai_cookbook.plan --model Llama-3-8B --gpus-per-node 8 --nodes 1 --gpu H100-80GB --seq-length 4096
+--global-batch 256 --tokens 1e11`: the layouts that fit, fastest first, each term of memory and time shown."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pai_cookbook.core.model_config import ConfigError
+from pai_cookbook.plan.hardware import GPUS, Cluster, gpu
+from pai_cookbook.plan.layouts import Workload
+from pai_cookbook.plan.memory import FRAMEWORK_OVERHEAD_GIB
+from pai_cookbook.plan.search import plan, table
+from pai_cookbook.plan.shapes import SHAPES, model_shape
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pai_cookbook.plan", description=__doc__)
+    parser.add_argument("--model", required=True, help=f"one of {sorted(SHAPES)}, or a Hugging Face folder")
+    parser.add_argument("--gpu", default="H100-80GB", help=f"one of {sorted(GPUS)}")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--seq-length", type=int, required=True)
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--tokens", type=float, default=None, help="training tokens, for the days column")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--overhead-gib", type=float, default=FRAMEWORK_OVERHEAD_GIB)
+    parser.add_argument("--top", type=int, default=15, help="rows shown")
+    args = parser.parse_args(argv)
+    try:
+        model = model_shape(args.model)
+        cluster = Cluster(gpu=gpu(args.gpu), gpus_per_node=args.gpus_per_node, nodes=args.nodes)
+        workload = Workload(seq_length=args.seq_length, global_batch_size=args.global_batch, dtype=args.dtype)
+        options = plan(model, cluster, workload, args.overhead_gib)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    fitting = sum(o.fits for o in options)
+    print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}: {len(options)} valid "
+          f"layouts, {fitting} fit in {cluster.gpu.memory_gib} GiB (MFU {cluster.gpu.mfu:.3f}: {cluster.gpu.mfu_source})")
+    print(table(options, args.tokens, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Activations: the bytes autograd keeps for backward, per layer and micro-batch, and their peak over the pipeline
+schedule on one rank.
+
+What each layer saves is what Megatron-Core 0.16.1's local spec saves with PyTorch's kernels (the cookbook's
+`PAI_COOKBOOK_LAYERS=local` path: `core.attention.SDPAttention` on `scaled_dot_product_attention`'s flash kernel,
+`torch.nn.RMSNorm`), read off the operators and checked against `core.memory_probe` (docs/planning.md lists every
+tensor). Per micro-batch of b sequences of s tokens (s = seq / CP), e bytes per activation (2 in bf16, 4 in fp32),
+t = TP, s_n = s / t where sequence parallelism splits the norms' regions (else s), h hidden, q = heads x head_dim,
+kv = groups x head_dim, f = ffn:
+
+- each norm: its input upcast to fp32 and the normalised x in fp32 (2 s_n b h x 4) + 1/rms (s_n b x 4), and its
+  output in e (what the next matmul saves);
+- attention: the QKV output s b (q + 2kv)/t e (the values are a view of it), rotated q and k (s b (q + kv)/t e), the
+  kernel's output s b q/t e and log-sum-exp b (heads/t) s x 4; the rotary cos and sin of q and k (4 s head_dim e);
+- dense SwiGLU MLP: fc1's output 2f, silu's output, the up half + offset, their product: 5 s b f/t e;
+- MoE layer (T = s_n b tokens routed here, E experts, k = top-k, N tokens reaching this rank's experts: T k when
+  dropless (balanced), E x capacity when padded to capacity): router scores T E x 4, top-k indices T k x 8 and
+  probabilities T k x 4, routing map T E, tokens per expert E x 8; the dispatcher's sort indices and probabilities;
+  the permuted tokens N h e; each expert's SwiGLU plus the probability scaling: 6 N f_moe/etp e;
+- first stage: the token ids (s b x 8, and the vocabulary mask s b at TP > 1); last stage: the final norm, the output
+  layer's input, the loss's exp(logits) in fp32 s b V/t x 4 and its targets (s b x 13) and the loss mask (s b x 4).
+
+Recompute: selective (core_attn) drops the kernel's log-sum-exp (with a flash kernel nothing else: q, k, v and the
+output are saved anyway), full keeps each checkpoint's input (s_n b h e) and the rotary frequencies (s head_dim x 4,
+one tensor per rank: Megatron-Core caches it), and recomputes one group of layers in backward, whose activations then
+exist at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pai_cookbook.core.model_config import ModelConfig
+from pai_cookbook.plan.layouts import Layout, Workload
+from pai_cookbook.plan.states import DTYPE_BYTES, chunk_layers, is_first, is_last, is_moe_layer
+
+FP32, INT64, BOOL = 4, 8, 1
+
+
+@dataclass(frozen=True)
+class Dims:
+    """A micro-batch's sizes on one rank."""
+
+    s: int
+    """Sequence on this rank (seq / CP)."""
+    s_norm: int
+    """Sequence in the norm regions (s / TP with sequence parallelism)."""
+    b: int
+    e: int
+
+
+def dims(layout: Layout, workload: Workload) -> Dims:
+    s = workload.seq_length // layout.cp
+    return Dims(s=s, s_norm=s // layout.tp if layout.sequence_parallel else s, b=layout.micro_batch_size,
+                e=DTYPE_BYTES[workload.dtype])
+
+
+def norm_bytes(model: ModelConfig, x: Dims) -> int:
+    """One norm: fp32 input and normalised input, 1/rms, and its output in e."""
+    tokens = x.s_norm * x.b
+    return tokens * model.hidden_size * (2 * FP32 + x.e) + tokens * FP32
+
+
+def attention_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
+    m, t = model, layout.tp
+    q, kv, d = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim, m.head_dim
+    tokens = x.s * x.b
+    saved = tokens * (q + 2 * kv + q + kv + q) // t * x.e
+    if layout.recompute != "selective":
+        saved += x.b * (m.num_attention_heads // t) * x.s * FP32  # log-sum-exp
+    if m.position_embedding_type == "rope":
+        saved += 4 * x.s * d * x.e  # cos and sin for q and for k
+    return saved
+
+
+def mlp_bytes(model: ModelConfig, layout: Layout, x: Dims, ffn: int) -> int:
+    per_token = 5 * ffn if model.activation == "swiglu" else 2 * ffn
+    return x.s * x.b * per_token // layout.tp * x.e
+
+
+def expert_tokens(model: ModelConfig, layout: Layout, tokens: int) -> int:
+    """Tokens reaching this rank's experts per MoE layer: T k dropless (balanced routing), E x capacity padded."""
+    k, experts = model.moe_router_topk, model.num_experts
+    if model.moe_expert_capacity_factor is not None and model.moe_pad_expert_input_to_capacity:
+        capacity = -(-int(tokens * k * model.moe_expert_capacity_factor) // experts)
+        return experts * capacity
+    return tokens * k
+
+
+def moe_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
+    m = model
+    tokens = x.s_norm * x.b if layout.tp > 1 else x.s * x.b  # each TP rank routes its own slice (SP)
+    experts, k = m.num_experts, m.moe_router_topk
+    sent = tokens * k if m.moe_expert_capacity_factor is None else expert_tokens(m, layout, tokens)
+    received = expert_tokens(m, layout, tokens)
+    router = tokens * experts * FP32 + tokens * k * (INT64 + FP32) + tokens * experts * BOOL + experts * INT64
+    router += FP32 * (m.moe_aux_loss_coeff > 0)
+    if m.moe_expert_capacity_factor is None:
+        dispatch = sent * INT64 + tokens * experts * FP32
+    else:
+        dispatch = 2 * sent * INT64
+    probs = received * (FP32 if x.e == FP32 else x.e)
+    fm = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    experts_saved = received * m.hidden_size * x.e + received * 6 * fm // (layout.etp or layout.tp) * x.e
+    shared = 0
+    if m.moe_shared_expert_intermediate_size:
+        shared = mlp_bytes(m, layout, x, m.moe_shared_expert_intermediate_size)
+    return router + dispatch + probs + experts_saved + shared
+
+
+def layer_bytes(model: ModelConfig, layout: Layout, x: Dims, layer: int) -> int:
+    """Everything one layer saves for one micro-batch without full recompute."""
+    saved = 2 * norm_bytes(model, x) + attention_bytes(model, layout, x)
+    if is_moe_layer(model, layer):
+        return saved + moe_bytes(model, layout, x)
+    return saved + mlp_bytes(model, layout, x, model.ffn_hidden_size)
+
+
+def embedding_bytes(layout: Layout, x: Dims) -> int:
+    tokens = x.s * x.b
+    return tokens * INT64 + (tokens * BOOL if layout.tp > 1 else 0)
+
+
+def head_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
+    """The last stage's final norm, output-layer input, and the loss over the vocabulary (fp32 exp(logits))."""
+    tokens = x.s * x.b
+    vocab = model.padded_vocab_size(layout.tp) // layout.tp
+    loss = tokens * vocab * FP32 + tokens * (INT64 + BOOL) + tokens * FP32 + FP32
+    return norm_bytes(model, x) + loss
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline chunk's micro-batch: what its forward leaves saved, the part its backward frees first (the loss
+    and output layer), and what a backward adds on top while it recomputes (full recompute)."""
+
+    forward: int
+    head: int
+    recompute: int
+
+
+def chunk_bytes(model: ModelConfig, layout: Layout, workload: Workload, pp_rank: int, chunk: int) -> Chunk:
+    x = dims(layout, workload)
+    layers = list(chunk_layers(model, layout, pp_rank, chunk))
+    head = head_bytes(model, layout, x) if is_last(layout, pp_rank, chunk) else 0
+    forward = head + (embedding_bytes(layout, x) if is_first(layout, pp_rank, chunk) else 0)
+    recompute = 0
+    if layout.recompute == "full":
+        g = layout.recompute_num_layers
+        checkpoint_input = x.s_norm * x.b * model.hidden_size * x.e
+        forward += len(layers) // g * checkpoint_input
+        groups = [layers[i:i + g] for i in range(0, len(layers), g)]
+        # in fp32 the first norm saves the checkpoint's input itself, which is already held
+        shared_input = checkpoint_input if x.e == FP32 else 0
+        recompute = max(sum(layer_bytes(model, layout, x, n) for n in group) for group in groups) - shared_input
+    else:
+        forward += sum(layer_bytes(model, layout, x, n) for n in layers)
+    return Chunk(forward=forward, head=head, recompute=recompute)
+
+
+def schedule(layout: Layout, micro_batches: int, pp_rank: int) -> list[tuple[str, int]]:
+    """Megatron-Core 0.16's order of ("F" | "B", model chunk) on pipeline rank `pp_rank`: one micro-batch after the
+    other without PP, 1F1B (warm-up of PP - rank - 1 forwards), or the interleaved schedule (warm-up of
+    2 (PP - rank - 1) + (VPP - 1) PP, chunks taken in groups of PP micro-batches: `get_schedule_table`)."""
+    pp, vpp = layout.pp, layout.vpp or 1
+    if pp == 1:
+        return [op for _ in range(micro_batches) for op in (("F", 0), ("B", 0))]
+    group = pp
+    table = []
+    for start in range(0, micro_batches, group):
+        end = micro_batches if start + group >= micro_batches else start + group
+        table += [c for c in range(vpp) for _ in range(start, end)]
+    total = micro_batches * vpp
+    warmup = (pp - pp_rank - 1) if vpp == 1 else (pp - pp_rank - 1) * 2 + (vpp - 1) * group
+    warmup = min(warmup, total)
+    ops = [("F", table[k]) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [("F", table[k + warmup]), ("B", vpp - 1 - table[k])]
+    ops += [("B", vpp - 1 - table[k]) for k in range(total - warmup, total)]
+    return ops
+
+
+def peak_bytes(model: ModelConfig, layout: Layout, workload: Workload, world: int, pp_rank: int) -> tuple[int, int]:
+    """(peak saved activations, micro-batch chunks in flight at it) on a rank of pipeline stage `pp_rank`: the
+    schedule played forward, each forward adding its chunk's saved bytes, each backward freeing them after its
+    recomputation (if any) peaked."""
+    chunks = [chunk_bytes(model, layout, workload, pp_rank, c) for c in range(layout.vpp or 1)]
+    x = dims(layout, workload)
+    # full recompute saves the rotary frequencies with every checkpoint: one tensor, cached by Megatron-Core's
+    # RotaryEmbedding for every micro-batch and chunk of the rank
+    live = x.s * model.head_dim * FP32 if layout.recompute == "full" and model.position_embedding_type == "rope" else 0
+    in_flight = peak = peak_in_flight = 0
+    for op, c in schedule(layout, workload.micro_batches(layout, world), pp_rank):
+        chunk = chunks[c]
+        if op == "F":
+            live, in_flight = live + chunk.forward, in_flight + 1
+            now = live
+        else:
+            now = live - chunk.head + chunk.recompute
+            live, in_flight = live - chunk.forward, in_flight - 1
+        if now > peak:
+            peak, peak_in_flight = now, in_flight + (op == "B")
+    return peak, peak_in_flight

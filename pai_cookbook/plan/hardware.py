@@ -1,0 +1,93 @@
+"""The clusters a plan is made for: a small table of GPUs (memory, datasheet peak, links, calibrated MFU) and `Cluster`.
+
+MFU is calibrated per GPU type on the cookbook's own measured runs, never fitted per layout:
+- H100 80GB HBM3 (2026-11-26, main at c735405, docs/planning.md): the Llama-3.2-1B shape (16 x 2048, 32/8 heads, ffn
+  8192, vocab 128,256, tied), bf16, seq 2048, micro-batch 4, one GPU, 44,300 tokens/s x 8.22e9 model FLOPs/token =
+  364 TFLOP/s = 0.368 of the datasheet's 989.
+- Other GPUs: no cookbook run yet; they borrow the H100's fraction of the datasheet peak (`mfu_source` says so).
+
+Link bandwidths are datasheet figures per GPU and direction; `LINK_EFFICIENCY` of them is what a ring collective is
+assumed to reach (an assumption, not a measurement of this project).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pai_cookbook.core import throughput
+from pai_cookbook.core.model_config import ConfigError, require
+
+GIB = 2**30
+LINK_EFFICIENCY = 0.7
+"""Fraction of a link's datasheet bandwidth a ring all-reduce / reduce-scatter is assumed to reach."""
+H100_MEASURED_TFLOPS = 364.0
+"""Model TFLOP/s of the cookbook's Llama-3.2-1B-shape bf16 run on one H100 80GB HBM3 (2026-11-26)."""
+H100_MFU = H100_MEASURED_TFLOPS / 989.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    """One GPU type: what a plan needs to know of it."""
+
+    name: str
+    datasheet_name: str
+    """Key into `core.throughput.DATASHEET_DENSE_TFLOPS` (as torch names the device)."""
+    memory_gib: float
+    """Memory a process can allocate (the marketing GB less what the driver keeps)."""
+    nvlink_gbps: float
+    """Intra-node GPU-to-GPU bandwidth per GPU and direction, GB/s (NVLink; PCIe where there is none)."""
+    network_gbps: float
+    """Inter-node bandwidth per GPU and direction, GB/s (one 400 Gb/s NIC per GPU = 50)."""
+    mfu: float = H100_MFU
+    mfu_source: str = "borrowed from the H100's measured 364 TFLOP/s (0.368 of its datasheet peak)"
+
+    def peak_flops(self, dtype: str) -> float:
+        """Datasheet dense FLOP/s for GEMMs in `dtype` ("bf16", "fp32", ...)."""
+        peak = throughput.datasheet_peak_flops(self.datasheet_name, dtype)
+        require(peak is not None, f"no datasheet peak for {self.name} in {dtype}; the table knows "
+                                  f"{sorted(throughput.DATASHEET_DENSE_TFLOPS)}.")
+        return peak
+
+
+GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
+    GPU(name="H100-80GB", datasheet_name="NVIDIA H100 80GB HBM3", memory_gib=79.1, nvlink_gbps=450, network_gbps=50,
+        mfu=H100_MFU, mfu_source="measured: Llama-3.2-1B shape, bf16, seq 2048, 44,300 tokens/s (2026-11-26)"),
+    GPU(name="H800-80GB", datasheet_name="NVIDIA H800", memory_gib=79.1, nvlink_gbps=200, network_gbps=50),
+    GPU(name="H200-141GB", datasheet_name="NVIDIA H200", memory_gib=139.8, nvlink_gbps=450, network_gbps=50),
+    GPU(name="H20-96GB", datasheet_name="NVIDIA H20", memory_gib=95.0, nvlink_gbps=450, network_gbps=50),
+    GPU(name="A100-80GB", datasheet_name="NVIDIA A100-SXM4-80GB", memory_gib=79.1, nvlink_gbps=300, network_gbps=25),
+    GPU(name="A100-40GB", datasheet_name="NVIDIA A100-SXM4-40GB", memory_gib=39.4, nvlink_gbps=300, network_gbps=25),
+    GPU(name="L40S-48GB", datasheet_name="NVIDIA L40S", memory_gib=44.4, nvlink_gbps=32, network_gbps=25),
+    GPU(name="B200-180GB", datasheet_name="NVIDIA B200", memory_gib=178.0, nvlink_gbps=900, network_gbps=50),
+)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Nodes of identical GPUs."""
+
+    gpu: GPU
+    gpus_per_node: int = 8
+    nodes: int = 1
+
+    def __post_init__(self) -> None:
+        require(self.gpus_per_node >= 1 and self.nodes >= 1,
+                f"a cluster needs >= 1 GPU per node and >= 1 node, got {self.gpus_per_node} x {self.nodes}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def bandwidth(self, group_span: int) -> float:
+        """Bytes/s a collective over `group_span` consecutive ranks reaches: NVLink within a node, the network
+        beyond it (LINK_EFFICIENCY of the datasheet figure)."""
+        gbps = self.gpu.nvlink_gbps if group_span <= self.gpus_per_node else self.gpu.network_gbps
+        return gbps * 1e9 * LINK_EFFICIENCY
+
+
+def gpu(name: str) -> GPU:
+    """The GPU of the table named `name` (case-insensitive)."""
+    for key, value in GPUS.items():
+        if key.lower() == name.lower():
+            return value
+    raise ConfigError(f"unknown GPU {name!r}; the table has {sorted(GPUS)}.")

@@ -1,0 +1,149 @@
+"""A training layout as a plan sees it (`Layout`), what it trains on (`Workload`), and every valid layout of a model on
+a cluster (`valid_layouts`), valid by the cookbook's own rules: `RunConfig.validate` (`core.layout.check` and the batch
+rules), never a second copy of them.
+
+Context parallelism (CP) is a planner dimension only: the cookbook's `ParallelConfig` has no CP yet, and Megatron-Core's
+local attention refuses it (it needs Transformer Engine's). A layout with CP is checked as the same layout on
+world / CP processes, plus Megatron-Core's own CP rule (the sequence splits into 2 x CP chunks for load balance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from pai_cookbook.core.config import (
+    ConfigError,
+    DataConfig,
+    MemoryConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+)
+from pai_cookbook.core.layout import divisors
+from pai_cookbook.core.model_config import require
+
+Recompute = Literal["selective", "full"] | None
+RECOMPUTES: tuple[Recompute, ...] = (None, "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How one training run is split and what it trades for memory. DP is what the world leaves."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    """Expert TP; None: the same as TP."""
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    recompute: Recompute = None
+    """None, "selective" (core attention), "full" (uniform, `recompute_num_layers` layers per checkpoint)."""
+    recompute_num_layers: int = 1
+    distributed_optimizer: bool = False
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                              virtual_pipeline_model_parallel_size=self.vpp, expert_model_parallel_size=self.ep,
+                              expert_tensor_parallel_size=self.etp, sequence_parallel=self.sequence_parallel)
+
+    def dp(self, world: int) -> int:
+        return world // (self.tp * self.pp * self.cp)
+
+    def expert_dp(self, world: int) -> int:
+        """Ranks an expert's gradients are reduced over: world / (PP x EP x expert-TP)."""
+        return world // (self.pp * self.ep * (self.etp or self.tp))
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"] + ([f"VPP{self.vpp}"] if self.vpp else [])
+        parts += [f"CP{self.cp}"] * (self.cp > 1) + [f"EP{self.ep}"] * (self.ep > 1) + ["SP"] * self.sequence_parallel
+        parts += [f"mbs{self.micro_batch_size}", self.recompute or "no-recompute",
+                  "distopt" if self.distributed_optimizer else "adam"]
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What a step trains on, and in which precision."""
+
+    seq_length: int
+    global_batch_size: int
+    dtype: Literal["bf16", "fp32"] = "bf16"
+
+    def micro_batches(self, layout: Layout, world: int) -> int:
+        """Micro-batches per step on one data-parallel rank: global / (micro x DP)."""
+        return self.global_batch_size // (layout.micro_batch_size * layout.dp(world))
+
+
+def run_config(model: ModelConfig, layout: Layout, workload: Workload) -> RunConfig:
+    """The cookbook's `RunConfig` of this layout (without CP, which it does not have)."""
+    memory = MemoryConfig(recompute_granularity=layout.recompute, recompute_num_layers=layout.recompute_num_layers)
+    return RunConfig(model=model, parallel=layout.parallel(), memory=memory,
+                     precision=PrecisionConfig(dtype=workload.dtype),
+                     optimizer=OptimizerConfig(use_distributed_optimizer=layout.distributed_optimizer),
+                     data=DataConfig(seq_length=workload.seq_length, micro_batch_size=layout.micro_batch_size,
+                                     global_batch_size=workload.global_batch_size))
+
+
+def from_run_config(config: RunConfig) -> tuple[Layout, Workload]:
+    """The layout and workload of a cookbook `RunConfig` (what a training run measured with `measure_memory` ran)."""
+    p, m = config.parallel, config.memory
+    require(m.recompute_granularity != "selective" or m.recompute_modules == ["core_attn"],
+            f"the plan models selective recompute of core_attn only, got {m.recompute_modules}.")
+    require(m.recompute_granularity != "full" or m.recompute_method == "uniform",
+            "the plan models uniform full recompute only; set recompute_method='uniform'.")
+    layout = Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                    vpp=p.virtual_pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
+                    etp=p.expert_tensor_parallel_size, sequence_parallel=p.sequence_parallel,
+                    micro_batch_size=config.data.micro_batch_size, recompute=m.recompute_granularity,
+                    recompute_num_layers=m.recompute_num_layers,
+                    distributed_optimizer=config.optimizer.use_distributed_optimizer)
+    require(config.precision.dtype in ("bf16", "fp32"), f"the plan models bf16 and fp32, got {config.precision.dtype}.")
+    return layout, Workload(seq_length=config.data.seq_length, global_batch_size=config.data.global_batch_size,
+                            dtype=config.precision.dtype)
+
+
+def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) -> None:
+    """Refuse a layout the cookbook would refuse (`RunConfig.validate` on world / CP), or that CP cannot split.
+
+    Raises:
+        ConfigError: naming the offending value and the fix.
+    """
+    require(world % layout.cp == 0, f"world size {world} is not divisible by CP={layout.cp}.")
+    require(workload.seq_length % (2 * layout.cp) == 0,
+            f"seq_length {workload.seq_length} is not divisible by 2 x CP = {2 * layout.cp} (Megatron-Core splits the "
+            f"sequence into 2 x CP chunks for load balance).")
+    require(layout.recompute != "full" or (model.num_layers // (layout.pp * (layout.vpp or 1)))
+            % layout.recompute_num_layers == 0,
+            f"recompute_num_layers {layout.recompute_num_layers} does not divide the layers of a pipeline chunk.")
+    run_config(model, layout, workload).validate(world // layout.cp)
+
+
+def valid_layouts(model: ModelConfig, workload: Workload, world: int, gpus_per_node: int,
+                  micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
+    """Every layout of `model` on `world` GPUs the cookbook accepts: TP within a node, PP over divisors of the layers
+    (interleaved with 2 chunks where it divides), CP up to a node, EP over divisors of the experts, sequence
+    parallelism on and off at TP > 1, each micro-batch size, each recompute, with and without the distributed
+    optimizer."""
+    tps = [t for t in divisors(gpus_per_node) if t <= world]
+    experts = divisors(model.num_experts) if model.is_moe else [1]
+    for tp, pp, cp, ep in ((t, p, c, e) for t in tps for p in divisors(model.num_layers) for c in tps
+                           for e in experts):
+        if tp * pp * cp > world or world % (tp * pp * cp):
+            continue
+        for vpp in (None, 2) if pp > 1 else (None,):
+            for sp, mbs, recompute, distopt in ((s, b, r, d) for s in ((False, True) if tp > 1 else (False,))
+                                                for b in micro_batch_sizes for r in RECOMPUTES for d in (False, True)):
+                layout = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sp, micro_batch_size=mbs,
+                                recompute=recompute, distributed_optimizer=distopt)
+                try:
+                    check(model, layout, workload, world)
+                except ConfigError:
+                    continue
+                yield layout

@@ -1,0 +1,95 @@
+"""Peak memory per GPU of a layout, split into the terms that make it up (docs/planning.md has each formula).
+
+`stage_memory` predicts one rank of each pipeline stage; `peak_memory` is the most loaded of them. Four terms are
+what `core.memory_probe` measures and tests/test_plan.py holds within 5% of a CPU run: weights, gradients, optimizer
+(`plan.states`) and activations (`plan.activations`). Two are not measurable on the CPU and are stated as assumptions:
+- transient: the loss's working copies of the logits that are not saved for backward (the output layer's logits in e,
+  the transposed copy the loss takes, and its fp32 copy: s b V/t (2e + 4) on the last stage, s b V/t x 2e in fp32);
+- overhead: `FRAMEWORK_OVERHEAD_GIB`, the CUDA context, NCCL's communicators and the caching allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pai_cookbook.core.config import RunConfig
+from pai_cookbook.core.model_config import ModelConfig
+from pai_cookbook.plan import activations, states
+from pai_cookbook.plan.layouts import Layout, Workload, from_run_config
+
+FRAMEWORK_OVERHEAD_GIB = 3.0
+"""Assumed, not measured by this project: ~0.5 GiB CUDA context (H100, torch 2.x), ~1 GiB of NCCL buffers for a few
+communicators, and ~1.5 GiB of the caching allocator's fragmentation and cuBLAS workspaces."""
+MEASURED = ("weights", "gradients", "optimizer", "activations")
+"""The terms `core.memory_probe` measures."""
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one rank of pipeline stage `stage` holds at its peak, by term."""
+
+    stage: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    transient: int
+    overhead: int
+    in_flight: int
+    """Micro-batch chunks whose activations are held at the activation peak."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.transient + self.overhead
+
+    def terms(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if k not in ("stage", "in_flight")} | {"total": self.total}
+
+
+def stage_memory(model: ModelConfig, layout: Layout, workload: Workload, world: int, stage: int,
+                 overhead_gib: float = FRAMEWORK_OVERHEAD_GIB) -> StageMemory:
+    """The terms of one rank of pipeline stage `stage` (module doc)."""
+    held = states.states(model, layout, workload, world, stage)
+    peak, in_flight = activations.peak_bytes(model, layout, workload, world, stage)
+    transient = 0
+    if stage == layout.pp - 1:
+        x = activations.dims(layout, workload)
+        vocab = model.padded_vocab_size(layout.tp) // layout.tp
+        transient = x.s * x.b * vocab * (2 * x.e + (activations.FP32 if x.e != activations.FP32 else 0))
+    return StageMemory(stage=stage, weights=held.weights, gradients=held.gradients, optimizer=held.optimizer,
+                       activations=peak, transient=transient, overhead=round(overhead_gib * 2**30),
+                       in_flight=in_flight)
+
+
+def all_stages(model: ModelConfig, layout: Layout, workload: Workload, world: int,
+               overhead_gib: float = FRAMEWORK_OVERHEAD_GIB) -> list[StageMemory]:
+    return [stage_memory(model, layout, workload, world, s, overhead_gib) for s in range(layout.pp)]
+
+
+def peak_memory(model: ModelConfig, layout: Layout, workload: Workload, world: int,
+                overhead_gib: float = FRAMEWORK_OVERHEAD_GIB) -> StageMemory:
+    """The most loaded pipeline stage's terms: the memory a GPU must have for this layout."""
+    return max(all_stages(model, layout, workload, world, overhead_gib), key=lambda m: m.total)
+
+
+def compare(config: RunConfig, world: int, measured: list[dict[str, int]]) -> list[dict]:
+    """What each rank of a run held beside what the plan predicts for its pipeline stage.
+
+    Args:
+        config: the run (trained with `measure_memory=True` on Megatron-Core's local spec).
+        world: its processes.
+        measured: every rank's bytes per term of `MEASURED`, in rank order (the run's result["memory"]).
+    Returns:
+        One row per rank and term of `MEASURED`, then their "sum": {"rank", "stage", "term", "measured", "predicted",
+        "relative_error"} (|predicted - measured| / measured).
+    """
+    layout, workload = from_run_config(config)
+    rows = []
+    for rank, held in enumerate(measured):
+        stage = rank // (world // layout.pp)  # Megatron-Core's rank order puts PP outermost
+        predicted = stage_memory(config.model, layout, workload, world, stage).terms()
+        for term in MEASURED + ("sum",):
+            pair = [sum(side[k] for k in MEASURED) if term == "sum" else side[term] for side in (held, predicted)]
+            rows.append({"rank": rank, "stage": stage, "term": term, "measured": pair[0], "predicted": pair[1],
+                         "relative_error": abs(pair[1] - pair[0]) / pair[0]})
+    return rows

@@ -1,0 +1,62 @@
+"""Rank the layouts of a model on a cluster: every valid one (`plan.layouts.valid_layouts`) with its peak memory per GPU
+(`plan.memory`) and step time (`plan.speed`); those that fit, fastest first, then those that do not."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pai_cookbook.core.model_config import ModelConfig
+from pai_cookbook.plan.hardware import GIB, Cluster
+from pai_cookbook.plan.layouts import Layout, Workload, valid_layouts
+from pai_cookbook.plan.memory import FRAMEWORK_OVERHEAD_GIB, StageMemory, peak_memory
+from pai_cookbook.plan.speed import StepTime, step_time
+
+
+@dataclass(frozen=True)
+class Option:
+    """One layout with its predicted peak memory (most loaded stage) and step time."""
+
+    layout: Layout
+    memory: StageMemory
+    time: StepTime
+    fits: bool
+    world: int
+
+
+def evaluate(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cluster,
+             overhead_gib: float = FRAMEWORK_OVERHEAD_GIB) -> Option:
+    memory = peak_memory(model, layout, workload, cluster.world_size, overhead_gib)
+    return Option(layout=layout, memory=memory, time=step_time(model, layout, workload, cluster),
+                  fits=memory.total <= cluster.gpu.memory_gib * GIB, world=cluster.world_size)
+
+
+def plan(model: ModelConfig, cluster: Cluster, workload: Workload, overhead_gib: float = FRAMEWORK_OVERHEAD_GIB,
+         micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[Option]:
+    """Every valid layout, evaluated: those that fit the GPU's memory fastest first, then the others by memory."""
+    options = [evaluate(model, layout, workload, cluster, overhead_gib)
+               for layout in valid_layouts(model, workload, cluster.world_size, cluster.gpus_per_node,
+                                           micro_batch_sizes)]
+    return sorted(options, key=lambda o: (not o.fits, -o.time.tokens_per_s if o.fits else o.memory.total))
+
+
+MEMORY_COLUMNS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead", "total")
+TIME_COLUMNS = ("compute", "recompute", "tp", "cp", "ep", "pp_bubble", "pp_p2p", "dp", "total")
+
+
+def table(options: list[Option], tokens: float | None = None, top: int = 10) -> str:
+    """A text table of the first `top` options: memory terms in GiB, time terms in ms, tokens/s, and days for
+    `tokens`."""
+    head = (["layout"] + [f"{c[:5]} GiB" for c in MEMORY_COLUMNS] + [f"{c[:6]} ms" for c in TIME_COLUMNS]
+            + ["tok/s/GPU", "tokens/s"] + (["days"] if tokens else []))
+    rows = [head]
+    for o in options[:top]:
+        mem = o.memory.terms()
+        times = o.time.terms()
+        row = [o.layout.describe() + ("" if o.fits else " (does not fit)")]
+        row += [f"{mem[c] / GIB:.1f}" for c in MEMORY_COLUMNS] + [f"{times[c] * 1e3:.0f}" for c in TIME_COLUMNS]
+        row += [f"{o.time.tokens_per_s / o.world:,.0f}", f"{o.time.tokens_per_s:,.0f}"]
+        row += [f"{o.time.days(tokens):.1f}"] if tokens else []
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+                     for r in rows)

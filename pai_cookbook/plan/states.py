@@ -1,0 +1,169 @@
+"""Weights, gradients and optimizer state per rank: what a training rank keeps between steps.
+
+Every parameter tensor of a pipeline chunk is listed from the model's shape (`chunk_params`), in the shapes
+Megatron-Core gives them at this layout (TP splits columns or rows, EP holds num_experts / EP experts, expert-TP splits
+those, norms and the router are whole on every rank). From that list:
+
+- weights = numel x bytes of the dtype. With the distributed optimizer DDP moves the parameters into one param buffer
+  per chunk (dense, and expert parameters apart), padded as Megatron-Core pads it (`buffer_numel`);
+- gradients = DDP's grad buffer, fp32 (the worker reduces gradients in fp32: `grad_reduce_in_fp32=True`), the same
+  padded length;
+- optimizer = Adam's exp_avg and exp_avg_sq (fp32, 8 bytes per parameter) + with bf16 weights an fp32 main copy (4
+  bytes), + one fp32 step counter per parameter tensor (torch's Adam). The distributed optimizer keeps only this rank's
+  1 / DP shard of each buffer (dense over DP x CP, experts over the expert-DP group), padding excluded.
+
+Megatron-LM's `theoretical_memory_usage.py` uses 18 bytes per parameter (6 + 12 / DP with the distributed
+optimizer): bf16 weights 2 + fp32 grads 4 + fp32 main 4 + Adam 8. The same sum, without the padding and step counters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pai_cookbook.core.model_config import ModelConfig
+from pai_cookbook.plan.layouts import Layout, Workload
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GRAD_BYTES = 4
+"""fp32 gradient buffer (`grad_reduce_in_fp32=True` in `workers.training.build`)."""
+ADAM_BYTES = 8
+"""exp_avg + exp_avg_sq, fp32."""
+MAIN_PARAM_BYTES = 4
+"""fp32 main copy of a bf16 weight."""
+STEP_COUNTER_BYTES = 4
+PARAM_ALIGN = 64
+"""Megatron-Core's DDP starts every parameter at a multiple of 64 elements with the distributed optimizer."""
+BUCKET_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class ChunkParams:
+    """Parameter tensors (numel each) of one pipeline chunk on one rank."""
+
+    dense: tuple[int, ...]
+    expert: tuple[int, ...]
+    shared_embedding: int = 0
+    """The tied embedding's numel where it is held twice (PP > 1: first and last stage), its own DDP bucket."""
+
+
+def is_moe_layer(model: ModelConfig, layer: int) -> bool:
+    """Whether global layer `layer` (from 0) is an MoE layer (Megatron-Core's moe_layer_freq rule)."""
+    if not model.is_moe:
+        return False
+    freq = model.moe_layer_freq
+    return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
+
+
+def chunk_layers(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -> range:
+    """Global layer numbers (from 0) of chunk `chunk` of pipeline rank `pp_rank` (virtual stage chunk x PP + rank)."""
+    chunks = layout.pp * (layout.vpp or 1)
+    per = model.num_layers // chunks
+    stage = chunk * layout.pp + pp_rank
+    return range(stage * per, (stage + 1) * per)
+
+
+def is_first(layout: Layout, pp_rank: int, chunk: int) -> bool:
+    return chunk == 0 and pp_rank == 0
+
+
+def is_last(layout: Layout, pp_rank: int, chunk: int) -> bool:
+    return chunk == (layout.vpp or 1) - 1 and pp_rank == layout.pp - 1
+
+
+def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -> ChunkParams:
+    """The parameter tensors this chunk holds (see the module)."""
+    m, t = model, layout.tp
+    h, q, kv, d = m.hidden_size, m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim, m.head_dim
+    norm = [h, h] if m.normalization == "LayerNorm" else [h]
+    bias = m.add_bias_linear
+    gate = 2 if m.activation == "swiglu" else 1
+    dense: list[int] = []
+    expert: list[int] = []
+    vocab = m.padded_vocab_size(t) // t * h
+    shared = 0
+    if is_first(layout, pp_rank, chunk):
+        dense.append(vocab)
+        if m.position_embedding_type == "learned_absolute":
+            dense.append(m.max_position_embeddings * h)
+    for layer in chunk_layers(model, layout, pp_rank, chunk):
+        dense += norm + [(q + 2 * kv) // t * h] + [(q + 2 * kv) // t] * (bias or m.add_qkv_bias)
+        dense += [d, d] * m.qk_layernorm + [q // t * h] + [h] * bias + norm
+        if is_moe_layer(model, layer):
+            etp, fm = layout.etp or t, m.moe_ffn_hidden_size or m.ffn_hidden_size
+            dense.append(m.num_experts * h)  # router, whole on every rank
+            for _ in range(m.num_experts // layout.ep):
+                expert += [gate * fm // etp * h, fm // etp * h] + [gate * fm // etp, h] * bias
+            if m.moe_shared_expert_intermediate_size:
+                fs = m.moe_shared_expert_intermediate_size
+                dense += [gate * fs // t * h, fs // t * h] + [h] * m.moe_shared_expert_gate
+        else:
+            f = m.ffn_hidden_size
+            dense += [gate * f // t * h, f // t * h] + [gate * f // t, h] * bias
+    if is_last(layout, pp_rank, chunk):
+        dense += norm
+        if not m.tie_word_embeddings:
+            dense.append(vocab)
+        elif layout.pp > 1:
+            shared = vocab  # the output layer's copy of the embedding
+    if m.tie_word_embeddings and layout.pp > 1 and is_first(layout, pp_rank, chunk):
+        shared, dense = vocab, dense[1:]  # the embedding itself is the shared parameter
+    return ChunkParams(dense=tuple(dense), expert=tuple(expert), shared_embedding=shared)
+
+
+def _pad(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def buffer_numel(sizes: tuple[int, ...], group: int, distributed: bool, shared: int = 0) -> int:
+    """Elements of a DDP param/grad buffer holding tensors of `sizes` (reduced over `group` ranks).
+
+    Megatron-Core 0.16 (`_ParamAndGradBuffer`): without the distributed optimizer the tensors end to end; with it,
+    each starts at a multiple of 64 elements and each bucket ends at a multiple of lcm(group, 128), and a shared
+    embedding is a bucket of its own. One bucket per buffer (the worker does not overlap the gradient reduction).
+    """
+    if not distributed:
+        return sum(sizes) + shared
+    bucket = math.lcm(group, BUCKET_ALIGN)
+    main = _pad(sum(_pad(n, PARAM_ALIGN) for n in sizes), bucket) if sizes else 0
+    return main + (_pad(_pad(shared, PARAM_ALIGN), bucket) if shared else 0)
+
+
+def optimizer_share(layout: Layout, group: int) -> float:
+    """The fraction of a buffer's optimizer state one rank keeps: 1 / (its reduction group) with the distributed
+    optimizer (ZeRO-1), all of it without."""
+    return 1 / group if layout.distributed_optimizer else 1.0
+
+
+@dataclass(frozen=True)
+class States:
+    """Bytes one rank keeps between steps."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    params: int
+    """Parameters (elements) this rank holds, without padding."""
+
+
+def states(model: ModelConfig, layout: Layout, workload: Workload, world: int, pp_rank: int) -> States:
+    """Weights, gradient buffers and optimizer state of a rank of pipeline stage `pp_rank` (module doc)."""
+    e = DTYPE_BYTES[workload.dtype]
+    dist = layout.distributed_optimizer
+    per_param = ADAM_BYTES + (MAIN_PARAM_BYTES if workload.dtype != "fp32" else 0)
+    weights = grads = optimizer = params = 0
+    groups = {"dense": layout.dp(world) * layout.cp, "expert": layout.expert_dp(world)}
+    for chunk in range(layout.vpp or 1):
+        p = chunk_params(model, layout, pp_rank, chunk)
+        for kind, sizes, shared in (("dense", p.dense, p.shared_embedding), ("expert", p.expert, 0)):
+            if not sizes and not shared:
+                continue
+            group = groups[kind]
+            numel = buffer_numel(sizes, group, dist, shared)
+            unpadded, tensors = sum(sizes) + shared, len(sizes) + bool(shared)
+            params += unpadded
+            weights += (numel if dist else unpadded) * e
+            grads += numel * GRAD_BYTES
+            share = optimizer_share(layout, group)
+            optimizer += round((unpadded * per_param + tensors * STEP_COUNTER_BYTES) * share)
+    return States(weights=weights, gradients=grads, optimizer=optimizer, params=params)
