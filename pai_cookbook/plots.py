@@ -45,9 +45,15 @@ def parity_bars(rows: Sequence[dict], bound: float, path: str | Path | None = No
     import matplotlib.pyplot as plt
 
     labels = [f"TP{r['tp']} PP{r['pp']} EP{r['ep']}" for r in rows]
-    values = [max(r["max_abs_diff"], 1e-12) for r in rows]  # exact zero cannot sit on a log axis
+    floor = 1e-10  # exact zero cannot sit on a log axis: it is drawn at the axis' floor, marked and labelled
+    values = [max(r["max_abs_diff"], floor) for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.bar(labels, values, color="tab:blue")
+    for i, r in enumerate(rows):
+        exact = r["max_abs_diff"] == 0
+        ax.plot(i, values[i], "v" if exact else "o", color="black", markersize=6)
+        ax.annotate("0 (exact)" if exact else f"{r['max_abs_diff']:.1e}", (i, values[i]), textcoords="offset points",
+                    xytext=(0, 6), ha="center", fontsize=8)
     ax.axhline(bound, color="tab:red", linestyle="--", label=f"bound {bound:g}")
     ax.set_yscale("log")
     ax.set_ylim(1e-10, bound * 10)  # fp32 rounding (~1e-7) sits three decades under the bound
@@ -267,6 +273,7 @@ def rl_curves(histories: Mapping[str, Mapping[str, Sequence[float]]],
 
     fig, axes = plt.subplots(1, len(figures), figsize=(4.2 * len(figures), 3.4))
     for ax, (key, label) in zip(axes, figures):
+        ax.set_ylabel(label.split(" (")[0])
         for i, (run, history) in enumerate(histories.items()):
             values = [v for v in history[key] if v is not None]
             steps = range(1, len(values) + 1)
@@ -318,8 +325,9 @@ def proxy_and_true_reward(evals: Mapping[str, Mapping[str, Sequence[float]]],
         axes[2].axhline(kl_target, color="black", linestyle="--", linewidth=1, label="KL target")
     titles = ("held-out score of the reward model (proxy)", "held-out true reward (never trained on)",
               "KL to the reference (per completion)")
-    for ax, title in zip(axes, titles):
+    for ax, title, ylabel in zip(axes, titles, ("reward model's score", "true reward (0 to 1)", "KL (nats)")):
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[2].set_yscale("symlog", linthresh=1.0)
