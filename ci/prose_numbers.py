@@ -25,6 +25,9 @@ NOTEBOOK_REF = re.compile(r"\b(?:notebooks?|Notebooks?)\s+(?:\d\d(?:,\s*|\s+and\
 DEFINITIONS: dict[str, dict[str, str]] = {
     # notebook stem -> {number as the prose writes it: why it is not a measurement}
     "01_convert_checkpoint": {"0.99999": "the cosine bound tests/test_notebooks.py asserts"},
+    "02_extend_vocabulary": {"256": "Llama 3's special tokens outside its BPE vocabulary (Meta's layout)",
+                             "768": "the control symbols Mistral v3 adds", "10,000": "real_tokenizers.LEARN",
+                             "0.02": "a fresh model's initialisation std", "1e-3": "a bound tests/test_real_model.py asserts"},
     "03_continued_pretraining": {"98,2,0": "a SPLIT setting the prose names", "989": "an H100 SXM's datasheet dense "
                                  "bf16 TFLOP/s (core.throughput.DATASHEET_DENSE_TFLOPS)"},
     "08_rlhf": {"1.16": "TRL's version", "259": "the byte-level tokenizer's size: 256 bytes and 3 special tokens",
