@@ -194,3 +194,20 @@ class ModelConfig:
         """Embedding rows after padding to a multiple of make_vocab_size_divisible_by x TP."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return -(-self.vocab_size // multiple) * multiple
+
+    def summary(self) -> str:
+        """The fields that shape this model, in one line for a reader (the full record is `dataclasses.asdict`)."""
+        attention = f"{self.num_attention_heads} attention heads of {self.head_dim}"
+        if self.query_groups != self.num_attention_heads:
+            attention += f" ({self.query_groups} KV groups)"
+        parts = [f"{self.family}: {self.num_layers} layers", f"hidden {self.hidden_size}", attention,
+                 f"{self.activation} MLP {self.ffn_hidden_size}", f"{self.normalization}",
+                 f"vocabulary {self.vocab_size:,}",
+                 f"RoPE base {self.rotary_base:,.0f}" if self.position_embedding_type == "rope"
+                 else f"{self.position_embedding_type} positions"]
+        if self.is_moe:
+            parts.append(f"MoE: {self.num_experts} experts of {self.moe_ffn_hidden_size or self.ffn_hidden_size}, "
+                         f"top-{self.moe_router_topk}")
+        if self.tie_word_embeddings:
+            parts.append("tied embeddings")
+        return ", ".join(parts)
