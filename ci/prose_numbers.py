@@ -24,7 +24,10 @@ NOTEBOOK_REF = re.compile(r"\b(?:notebooks?|Notebooks?)\s+(?:\d\d(?:,\s*|\s+and\
 
 DEFINITIONS: dict[str, dict[str, str]] = {
     # notebook stem -> {number as the prose writes it: why it is not a measurement}
-    "01_convert_checkpoint": {"0.99999": "the cosine bound tests/test_notebooks.py asserts"},
+    "00_quickstart": {"1e-5": "the TP parity bound tests/test_notebooks.py asserts"},
+    "01_convert_checkpoint": {"0.99999": "the cosine bound tests/test_notebooks.py asserts",
+                              "1e-4": "the logit bound tests/test_notebooks.py asserts",
+                              "1e-5": "the loss bound tests/test_notebooks.py asserts"},
     "02_extend_vocabulary": {"256": "Llama 3's special tokens outside its BPE vocabulary (Meta's layout)",
                              "768": "the control symbols Mistral v3 adds", "10,000": "real_tokenizers.LEARN",
                              "0.02": "a fresh model's initialisation std", "1e-3": "a bound tests/test_real_model.py asserts"},
