@@ -2,6 +2,7 @@
 
     python ci/run_notebooks.py --out outputs          # writes outputs/summary.json
     python ci/notebook_figures.py outputs/summary.json > docs/notebook-figures.md
+    python ci/notebook_figures.py a/summary.json b/summary.json > ...   # runs of some notebooks each
 
 Each notebook's minutes and the scalar figures it saved (`report.save_metrics`), as the run wrote them: the page is
 made from a run, never typed.
@@ -18,19 +19,22 @@ from pathlib import Path
 
 
 def _shown(value) -> str | None:
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return None if isinstance(value, str) and len(value) > 60 else str(value)
+    if isinstance(value, str):  # a path of the run's machine says nothing here
+        return None if "/" in value or len(value) > 60 else value
+    if isinstance(value, bool) or value is None:
+        return str(value)
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     return None  # lists and tables stay in metrics.json
 
 
-def render(summary: dict, date: str, machine: str) -> str:
+def render(summary: dict, date: str, machine: str, remark: str = "") -> str:
     lines = ["# What the notebooks printed: the last full run", "",
              f"Made by `ci/notebook_figures.py` from `outputs/summary.json` of a run of every notebook with its default "
-             f"parameters ({date}; {machine}). Every figure is one the notebook's run saved in its `metrics.json`.", "",
+             f"parameters ({date}; {machine}). Every figure is one the notebook's run saved in its `metrics.json`."
+             + (f" {remark}" if remark else ""), "",
              "| notebook | minutes |", "|---|---|"]
     lines += [f"| {name} | {entry['minutes']:.1f} |" for name, entry in summary.items()]
     for name, entry in summary.items():
@@ -41,9 +45,15 @@ def render(summary: dict, date: str, machine: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    summary = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    """argv: summary.json files (later ones add or replace notebooks), then optionally --remark "..."."""
+    remark = argv[argv.index("--remark") + 1] if "--remark" in argv else ""
+    files = [a for i, a in enumerate(argv) if a != "--remark" and (i == 0 or argv[i - 1] != "--remark")]
+    summary: dict = {}
+    for name in files:
+        summary.update(json.loads(Path(name).read_text(encoding="utf-8")))
+    summary = dict(sorted(summary.items()))
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
-    sys.stdout.write(render(summary, datetime.date.today().isoformat(), machine))
+    sys.stdout.write(render(summary, datetime.date.today().isoformat(), machine, remark))
     return 0
 
 
