@@ -21,7 +21,7 @@ from pai_cookbook.plan import activations, hardware, layouts, memory, speed, sta
 from pai_cookbook.plan.hardware import Cluster
 from pai_cookbook.plan.layouts import Layout, Workload
 from pai_cookbook.plan.shapes import SHAPES
-from tests.workers.memory_runs import MemoryRuns
+from tests.workers.scenarios import Scenario
 
 TOLERANCE = 0.05
 CAPACITY = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
@@ -73,11 +73,12 @@ def measured(tmp_path_factory) -> dict[str, tuple[RunConfig, int, list[dict]]]:
     """name -> (config, world, every rank's measured bytes), two launches (one per world size)."""
     out = {}
     for world, configs in ((1, ONE_PROCESS), (2, TWO_PROCESSES)):
-        result = launch.launch(MemoryRuns(configs=list(configs.values())), nproc_per_node=world,
+        result = launch.launch(Scenario(config=next(iter(configs.values())), scenario="layouts",
+                                        layouts=list(configs.values())), nproc_per_node=world,
                                run_dir=tmp_path_factory.mktemp(f"plan{world}"), env={"PAI_COOKBOOK_LAYERS": "local"},
                                echo=False, show_progress=False)
         assert result["layers"]["layers"] == "local"
-        out |= {name: (config, world, ranks) for (name, config), ranks in zip(configs.items(), result["runs"])}
+        out |= {name: (config, world, run["memory"]) for (name, config), run in zip(configs.items(), result["runs"])}
     return out
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from pai_cookbook.core import checkpoint
+
 COMPONENTS = ("weights", "gradients", "optimizer", "activations")
 
 
@@ -47,8 +49,7 @@ def _unique_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] = frozenset
 
 def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
     """Every tensor under the optimizer's states and param groups (chained and distributed optimizers included)."""
-    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    for inner in inners:
+    for inner in checkpoint.chained_optimizers(optimizer):
         torch_opt = getattr(inner, "optimizer", inner)
         for state in torch_opt.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))

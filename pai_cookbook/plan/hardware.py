@@ -22,7 +22,7 @@ LINK_EFFICIENCY = 0.7
 """Fraction of a link's datasheet bandwidth a ring all-reduce / reduce-scatter is assumed to reach."""
 H100_MEASURED_TFLOPS = 364.0
 """Model TFLOP/s of the cookbook's Llama-3.2-1B-shape bf16 run on one H100 80GB HBM3 (2026-11-26)."""
-H100_MFU = H100_MEASURED_TFLOPS / 989.0
+H100_MFU = H100_MEASURED_TFLOPS / throughput.DATASHEET_DENSE_TFLOPS["H100"]["bf16"]
 
 
 @dataclass(frozen=True, kw_only=True)

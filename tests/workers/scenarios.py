@@ -6,6 +6,8 @@ Job: Scenario(config, scenario, layouts)
   param_counts build the model of config.model and count its parameters over all ranks
   layouts      train once per config in `layouts`, rebuilding Megatron-Core's parallel state for each
                inside one process group; returns each history
+  recorded_memory per config in `layouts`: its steps with a recording `MemoryProbe`, every rank's bytes held and
+               the storages live at the activation peak (tests/test_plan.py reads `layouts`' "memory" instead)
   module_types build the model of config and list the class names of its modules (which layers a device gets)
                and the Python modules that define them, and whether TorchInductor was imported on the way
   packed_logits the same random conversations packed into shared rows and padded one per row: logits per
@@ -40,9 +42,10 @@ import torch
 from pai_cookbook.core import runtime, worker
 from pai_cookbook.core.config import RunConfig
 from pai_cookbook.core.job import Job
+from pai_cookbook.core.memory_probe import MemoryProbe
 from pai_cookbook.core.model_config import ConfigError
 from pai_cookbook.workers.models import build_model
-from pai_cookbook.workers.training import train
+from pai_cookbook.workers.training import build, train, train_step
 
 SCENARIOS: dict[str, tuple[Callable[..., dict], str]] = {"train": (train, "config, device")}
 """Every scenario by name (a test names it in `Scenario(scenario=...)`), with what it takes: "config", "config,
@@ -322,6 +325,20 @@ def adam(configs: list[RunConfig]) -> dict:
 def layouts(configs: list[RunConfig]) -> dict:
     devices = runtime.each_layout((c.parallel, c.seed) for c in configs)
     return {"runs": [train(config, device) for config, device in zip(configs, devices)]}
+
+
+@scenario("layouts")
+def recorded_memory(configs: list[RunConfig]) -> dict:
+    """Each config stepped by `build` and `train_step` with a recording `MemoryProbe`: every rank's bytes held and the
+    storages live at its activation peak (what makes a term of tests/test_plan.py's comparison up)."""
+    out = []
+    for config, device in zip(configs, runtime.each_layout((c.parallel, c.seed) for c in configs)):
+        model, optimizer, scheduler = build(config, device)
+        probe = MemoryProbe(record=True)
+        for step in range(config.train_iters):
+            train_step(config, model, optimizer, scheduler, step, None, probe)
+        out.append(probe.gather())
+    return {"runs": out}
 
 
 @dataclass(kw_only=True)
