@@ -20,7 +20,6 @@ from pathlib import Path
 NUMBER = re.compile(r"(?<![\w.\-/=^])[-+−]?\d[\d,]*+(?:\.\d+)?(?:e[-+]?\d+)?%?(?!\w|\.\d|,\d)")
 # A number in code or output text (anything that looks like one: 0.1134, 96.1%, 1,975, 1.2e-05, -0.144).
 PRINTED = re.compile(r"[-+−]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
-NOTEBOOK_REF = re.compile(r"\b(?:notebooks?|Notebooks?)\s+(?:\d\d(?:,\s*|\s+and\s+|\s+or\s+|\s*-\s*))*\d\d\b")
 
 DEFINITIONS: dict[str, dict[str, str]] = {
     # notebook stem -> {number as the prose writes it: why it is not a measurement}
@@ -68,8 +67,7 @@ def _prose(source: str) -> str:
     text = re.sub(r"`[^`]*`", " ", text)
     text = re.sub(r"\]\([^)]*\)", "]", text)
     text = re.sub(r"^#+\s*[\d.]*", "", text, flags=re.M)  # a heading's own number
-    text = re.sub(r"<[^>]+>", " ", text)
-    return NOTEBOOK_REF.sub(" ", text)
+    return re.sub(r"<[^>]+>", " ", text)
 
 
 def printed_numbers(cells: list[dict]) -> set[float]:
@@ -106,7 +104,7 @@ def unprinted(executed: Path, definitions: dict[str, str] | None = None) -> list
         text = _prose("".join(cell["source"]))
         for match in NUMBER.finditer(text):
             token = match.group().rstrip(",")
-            if token in allowed or re.fullmatch(r"0\d", token) or _matches(token, printed):  # "(06)": a notebook
+            if token in allowed or re.fullmatch(r"0\d", token) or _matches(token, printed):  # "03", "(06)": notebooks
                 continue
             start = max(text.rfind(".", 0, match.start()) + 1, match.start() - 90)
             missing.append((token, " ".join(text[start:match.end() + 40].split())))
