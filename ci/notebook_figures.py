@@ -3,6 +3,7 @@
     python ci/run_notebooks.py --out outputs          # writes outputs/summary.json
     python ci/notebook_figures.py outputs/summary.json > docs/notebook-figures.md
     python ci/notebook_figures.py a/summary.json b/summary.json > ...   # runs of some notebooks each
+    python ci/notebook_figures.py outputs/summary.json --tiny tiny/summary.json > ...  # and runs with --tiny
 
 Each notebook's minutes and the scalar figures it saved (`report.save_metrics`), as the run wrote them: the page is
 made from a run, never typed.
@@ -33,7 +34,9 @@ def _shown(value) -> str | None:
 def render(summary: dict, date: str, machine: str, remark: str = "") -> str:
     lines = ["# What the notebooks printed: the last full run", "",
              f"Made by `ci/notebook_figures.py` from `outputs/summary.json` of a run of every notebook with its default "
-             f"parameters ({date}; {machine}). Every figure is one the notebook's run saved in its `metrics.json`."
+             f"parameters, and of the notebooks CI runs on tiny models with those parameters (\"(tiny)\": "
+             f"`ci/run_notebooks.py --tiny`) ({date}; {machine}). Every figure is one the notebook's run saved in its "
+             f"`metrics.json`."
              + (f" {remark}" if remark else ""), "",
              "| notebook | minutes |", "|---|---|"]
     lines += [f"| {name} | {entry['minutes']:.1f} |" for name, entry in summary.items()]
@@ -45,12 +48,17 @@ def render(summary: dict, date: str, machine: str, remark: str = "") -> str:
 
 
 def main(argv: list[str]) -> int:
-    """argv: summary.json files (later ones add or replace notebooks), then optionally --remark "..."."""
+    """argv: summary.json files (later ones add or replace notebooks); `--tiny FILE` adds a summary of a run with
+    `ci/run_notebooks.py --tiny` (its notebooks listed as "(tiny)"); `--remark "..."` a sentence under the title."""
     remark = argv[argv.index("--remark") + 1] if "--remark" in argv else ""
-    files = [a for i, a in enumerate(argv) if a != "--remark" and (i == 0 or argv[i - 1] != "--remark")]
+    tiny = [argv[i + 1] for i, a in enumerate(argv) if a == "--tiny"]
+    options = {i + 1 for i, a in enumerate(argv) if a in ("--remark", "--tiny")}
+    files = [a for i, a in enumerate(argv) if a not in ("--remark", "--tiny") and i not in options]
     summary: dict = {}
     for name in files:
         summary.update(json.loads(Path(name).read_text(encoding="utf-8")))
+    for name in tiny:
+        summary.update({f"{stem} (tiny)": entry for stem, entry in json.loads(Path(name).read_text(encoding="utf-8")).items()})
     summary = dict(sorted(summary.items()))
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
     sys.stdout.write(render(summary, datetime.date.today().isoformat(), machine, remark))

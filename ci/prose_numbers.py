@@ -5,8 +5,9 @@
 A notebook's markdown may state a figure only where a cell of the same run prints it (or where the figure is a
 definition, listed with its reason in `DEFINITIONS`). A number in the prose matches a printed one when the printed
 one, rounded to the prose's precision, is the prose's value (prose 0.11 for a printed 0.1134; prose 97% for a printed
-97.2% or 0.972). What is not a figure is skipped: numbers inside `code`, link targets, the numbers of headings and of
-notebooks ("notebook 03"), and numbers that are part of a name (SmolLM2-135M, Qwen2.5, e4m3, H100).
+97.2% or 0.972). What is not a figure is skipped: numbers inside `code`, link targets, the numbers of headings, of
+notebooks ("notebook 03") and of sections ("section 4"), and numbers that are part of a name (SmolLM2-135M, Qwen2.5,
+e4m3, H100).
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ DEFINITIONS: dict[str, dict[str, str]] = {
     "00_quickstart": {"1e-5": "the TP parity bound tests/test_notebooks.py asserts"},
     "01_convert_checkpoint": {"0.99999": "the cosine bound tests/test_notebooks.py asserts",
                               "1e-4": "the logit bound tests/test_notebooks.py asserts",
-                              "1e-5": "the loss bound tests/test_notebooks.py asserts"},
+                              "1e-5": "the loss bound tests/test_notebooks.py asserts",
+                              "2e-4": "the real model's logit bound tests/test_real_model.py asserts"},
     "02_extend_vocabulary": {"256": "Llama 3's special tokens outside its BPE vocabulary (Meta's layout)",
                              "768": "the control symbols Mistral v3 adds", "10,000": "real_tokenizers.LEARN",
                              "0.02": "a fresh model's initialisation std", "1e-3": "a bound tests/test_real_model.py asserts"},
-    "03_continued_pretraining": {"98,2,0": "a SPLIT setting the prose names", "989": "an H100 SXM's datasheet dense "
+    "03_continued_pretraining": {"98,2,0": "a SPLIT setting the prose names",
+                                 "6": "training FLOPs per parameter and token (2 forward, 4 backward)",
+                                 "989": "an H100 SXM's datasheet dense "
                                  "bf16 TFLOP/s (core.throughput.DATASHEET_DENSE_TFLOPS)"},
     "08_rlhf": {"1.16": "TRL's version", "259": "the byte-level tokenizer's size: 256 bytes and 3 special tokens",
                 "0.95": "GAE's lambda (PPOConfig's default)", "20%": "the KL controller's clip (Ziegler et al.)",
@@ -67,6 +71,7 @@ def _prose(source: str) -> str:
     text = re.sub(r"`[^`]*`", " ", text)
     text = re.sub(r"\]\([^)]*\)", "]", text)
     text = re.sub(r"^#+\s*[\d.]*", "", text, flags=re.M)  # a heading's own number
+    text = re.sub(r"\b(sections?|steps?) \d+[a-z]?(?:(?:,| and| or| to) \d+[a-z]?)*", r"\1", text)  # "section 4": a reference
     return re.sub(r"<[^>]+>", " ", text)
 
 

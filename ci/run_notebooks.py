@@ -1,6 +1,7 @@
 """Execute the cookbook's notebooks with papermill: executed copies, figures and metrics per notebook.
 
-    python ci/run_notebooks.py --out outputs                 # every notebook, tiny defaults
+    python ci/run_notebooks.py --out outputs                 # every notebook with its defaults
+    python ci/run_notebooks.py --out outputs --tiny          # 01, 03, 06 and 07 on tiny models too (what CI runs)
     python ci/run_notebooks.py --out outputs --only 00       # notebooks whose name starts with 00
     python ci/run_notebooks.py --out outputs -p TRAIN_ITERS 200   # override a parameter everywhere it exists
 
@@ -20,6 +21,19 @@ from pathlib import Path
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 KERNEL = "python3"
+
+# Notebooks 01, 03, 06 and 07 run SmolLM2-135M-Instruct, a real trained model, by default; these parameters run them on
+# tiny random models instead, about a minute each on 2 CPU cores: what CI runs (tests/test_notebooks.py) and `--tiny`
+# gives. Each notebook says what its tiny run can and cannot show; the others are tiny by default (their points need
+# many runs: 02, 04, 05, 08) or need no model (09).
+TINY: dict[str, dict] = {
+    "01_convert_checkpoint": {"REAL_MODEL": False, "TP_SIZE": 2},
+    "03_continued_pretraining": {"REAL_MODEL": False, "LR": 3e-3, "MIN_LR": 3e-4, "TRAIN_ITERS": 200, "WARMUP_ITERS": 20,
+                                 "EVAL_INTERVAL": 20},
+    "06_supervised_finetuning": {"REAL_MODEL": False, "LR": 3e-3, "MIN_LR": 3e-4, "TRAIN_ITERS": 100, "WARMUP_ITERS": 10,
+                                 "EVAL_INTERVAL": 25},
+    "07_inference": {"REAL_MODEL": False, "TP_SIZE": 2, "MAX_NEW_TOKENS": 32},
+}
 
 
 def notebooks(only: str | None = None) -> list[Path]:
@@ -74,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("outputs"))
     parser.add_argument("--only", help="run notebooks whose file name starts with this")
+    parser.add_argument("--tiny", action="store_true", help="run 01, 03, 06 and 07 on tiny models (TINY), as CI does")
     parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="override a parameter (Python literal)")
     opts = parser.parse_args(argv)
@@ -84,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     for notebook in notebooks(opts.only):
         start = time.perf_counter()
         print(f"== {notebook.name}", flush=True)
-        output_dir = execute_notebook(notebook, opts.out, params)
+        output_dir = execute_notebook(notebook, opts.out, (TINY.get(notebook.stem, {}) if opts.tiny else {}) | params)
         metrics_path = output_dir / "metrics.json"
         summary[notebook.stem] = {"minutes": round((time.perf_counter() - start) / 60, 2),
                                   "metrics": json.loads(metrics_path.read_text()) if metrics_path.exists() else None,

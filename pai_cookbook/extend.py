@@ -236,6 +236,21 @@ def check_tokenizer(base_dir: str | Path, extended_dir: str | Path, texts: list[
             "not_concatenation": spans, "roundtrip_failures": roundtrip}
 
 
+CHECKS = {"texts": "texts checked", "old_ids_moved": "old ids whose piece changed",
+          "specials_moved": "special tokens whose id changed",
+          "changed_without_new": "texts without a new token, tokenized differently",
+          "not_concatenation": "new tokens that are not a run of whole old tokens",
+          "roundtrip_failures": "texts that do not decode back to themselves"}
+"""What each figure of `check_tokenizer` counts, for a reader (every count but `texts` must be 0)."""
+
+
+def checks_markdown(results: dict[str, dict[str, Any]]) -> str:
+    """`check_tokenizer` results side by side as a Markdown table: a row per check, a column per tokenizer."""
+    head = "| | " + " | ".join(results) + " |\n|---|" + "---|" * len(results) + "\n"
+    return head + "\n".join(f"| {label} | " + " | ".join(f"{r[key]:,}" for r in results.values()) + " |"
+                             for key, label in CHECKS.items())
+
+
 def compression(tokenizer_dir: str | Path, texts: list[str]) -> float:
     """Tokens per character of a tokenizer on `texts` (lower is better)."""
     texts = [t for t in inputs.listed(texts, "texts", "strings") if t]

@@ -132,12 +132,12 @@ def throughput(speeds: Mapping[str, float], path: str | Path | None = None, ylab
 
 
 def bits_per_char(rows: Mapping[str, tuple[float, float | None]], reference: float, steps: int,
-                  path: str | Path | None = None, title: str = "Held-back Chinese text"):
+                  path: str | Path | None = None, title: str = "Held-back Chinese text", floor: float | None = None):
     """Bars of bits per character per initialisation: at step 0 and (where trained) after `steps` steps,
-    with the base model's figure as a dashed line."""
+    with the base model's figure as a dashed line and, given `floor`, a model that knows nothing as a dotted one."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     names = list(rows)
     width = 0.38
     for k, (label, pick) in enumerate((("step 0", 0), (f"after {steps} steps", 1))):
@@ -146,10 +146,13 @@ def bits_per_char(rows: Mapping[str, tuple[float, float | None]], reference: flo
         bars = ax.bar(xs, [v for v in values if v is not None], width, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.axhline(reference, linestyle="--", color="grey", label="base model, old tokenizer")
+    if floor is not None:
+        ax.axhline(floor, linestyle=":", color="black", label="knows nothing, extended tokenizer")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("bits per character")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, max([reference, floor or 0] + [v for pair in rows.values() for v in pair if v is not None]) * 1.1)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)  # below: the lines run at the top
     return _finish(fig, path)
 
 

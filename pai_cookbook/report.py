@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +38,30 @@ def compare_curves(reference: Sequence[float], other: Sequence[float]) -> dict[s
 
 
 def parity_markdown(rows: list[dict[str, Any]]) -> str:
-    """`parity.check` results as a Markdown table, one layout per row."""
+    """`parity.check` results as a Markdown table, one layout per row (its data-parallel size: the launch's processes
+    over TP x PP, since every layout runs in one launch of the smallest world that holds them all)."""
     head = ("| layout | processes | cosine | max abs diff | mean abs diff | argmax agree | loss HF | loss Megatron |\n"
             "|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(
-        f"| TP{r['tp']} PP{r['pp']} EP{r['ep']} | {r['processes']} | {r['cosine']:.9f} | {r['max_abs_diff']:.2e} | "
+        f"| TP{r['tp']} PP{r['pp']} EP{r['ep']} DP{r['processes'] // (r['tp'] * r['pp'])} | {r['processes']} | "
+        f"{r['cosine']:.9f} | {r['max_abs_diff']:.2e} | "
         f"{r['mean_abs_diff']:.2e} | {r['argmax_agreement']:.0%} | {r['hf_loss']:.6f} | {r['megatron_loss']:.6f} |"
         for r in rows)
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str] | None = None,
+                   formats: Mapping[str, str] | None = None) -> str:
+    """Rows of figures as a Markdown table for `IPython.display.Markdown`: `columns` maps a key to its header (default:
+    every key of the first row, as it is), `formats` a key to a format spec (e.g. ".2f"); pipes in text are escaped."""
+    columns = columns or {k: k for k in rows[0]}
+    formats = formats or {}
+
+    def shown(key: str, value: Any) -> str:
+        text = "" if value is None else format(value, formats[key]) if key in formats else str(value)
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    return ("| " + " | ".join(columns.values()) + " |\n|" + "---|" * len(columns) + "\n"
+            + "\n".join("| " + " | ".join(shown(k, row.get(k)) for k in columns) + " |" for row in rows))
 
 
 def save_metrics(output_dir: str | Path, metrics: dict[str, Any]) -> Path:

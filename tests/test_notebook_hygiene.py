@@ -48,3 +48,18 @@ def test_parameters_are_commented_upper_case_constants(notebook):
 
     seen = [p.name for p in PythonTranslator.inspect(nb.cells[1])]
     assert seen == names, f"{path.name}: papermill cannot read {sorted(set(names) - set(seen))}; no '=' in comments"
+
+
+def test_ci_overrides_name_parameters_the_notebook_has():
+    """CI runs 01, 03, 06 and 07 with ci/run_notebooks.TINY instead of their SmolLM2 defaults: each name there must
+    be a parameter of its notebook (papermill would inject a misspelt one as a new variable, and CI would run SmolLM2
+    for an hour), and each overridden notebook must default to the real model."""
+    from ci.run_notebooks import TINY
+
+    by_stem = {p.stem: p for p in notebooks()}
+    assert set(TINY) <= set(by_stem)
+    for stem, overrides in TINY.items():
+        cell = nbformat.read(by_stem[stem], as_version=4).cells[1]
+        defaults = {t.id: ast.literal_eval(node.value) for node in ast.parse(cell.source).body for t in node.targets}
+        assert set(overrides) <= set(defaults), f"{stem}: {sorted(set(overrides) - set(defaults))} are not parameters"
+        assert defaults["REAL_MODEL"] is True and overrides["REAL_MODEL"] is False, stem

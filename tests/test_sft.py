@@ -296,6 +296,22 @@ def test_the_mean_of_micro_batch_means_changes_with_the_split():
     assert int(count) == 8 and torch.allclose(weights.sum(1), torch.ones(8))
 
 
+def test_validation_batches_are_the_held_out_rows_in_order_with_the_runs_weights(packed_set):
+    """What notebook 06 scores with transformers to reproduce the run's validation loss: `eval_iters` global
+    batches, each whole, the held-out rows in order (wrapping round), the same weights as the worker's."""
+    valid = sft.load(packed_set, "valid")
+    n = valid["tokens"].shape[0]
+    config = _sft_run(packed_set, 1, 2, eval_iters=n, eval_interval=1, loss_average="sample")
+    batches = sft.validation_batches(config)
+    assert len(batches) == n and all(b["tokens"].shape[0] == 2 for b in batches)
+    order = torch.cat([b["tokens"] for b in batches])
+    expected = torch.cat([valid["tokens"], valid["tokens"]])  # 2n rows read in order: the set twice over
+    assert torch.equal(order, expected)
+    worker_view = [mb for step in range(n) for mb in sft.global_batch(valid, step, 2, 1, 0, 1, config.seed, "sample",
+                                                                        shuffle=False)]
+    assert sum(float(b["loss_count"]) for b in batches) == sum(float(mb["loss_count"]) for mb in worker_view)
+
+
 @pytest.mark.multiproc
 def test_packed_training_at_tp2_and_pp2_matches_one_process_for_20_steps(packed_set, run_scenario):
     """Packed rows, block-diagonal attention: TP=2 and PP=2 train as one process does (losses and validation

@@ -1,7 +1,8 @@
 """A prepared SFT set (`DataConfig(source="sft")`) as training reads it: its summary (`describe`), its rows (`load`),
-a step's micro-batches with their loss weights (`global_batch`, `loss_weights`), and the two ways attention is kept
-inside each conversation of a packed row (`thd` for Transformer Engine, `attention_mask` for the local spec). The SFT
-recipe (`pai_cookbook.sft`) writes such sets and checks them before launch; the training workers read them.
+a step's micro-batches with their loss weights (`global_batch`, `loss_weights`), what validation reads
+(`validation_batches`), and the two ways attention is kept inside each conversation of a packed row (`thd` for
+Transformer Engine, `attention_mask` for the local spec). The SFT recipe (`pai_cookbook.sft`) writes such sets and
+checks them before launch; the training workers read them.
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ def global_batch(rows: dict[str, Any], step: int, global_batch_size: int, micro_
         mb["loss_mask"], mb["loss_count"] = loss_weights(mb["loss_mask"], mb["document"], average)
         out.append(mb)
     return out
+
+
+def validation_batches(config: Any) -> list[dict[str, Any]]:
+    """The global batches a run's validation reads (`config.eval_iters` of them, the held-out rows in order), each
+    whole as one batch with the run's loss weights: what another engine scores to reproduce the run's validation
+    loss (the mean over batches of each batch's weighted loss sum over its `loss_count`). `config` is the RunConfig
+    of an SFT run (`DataConfig(source="sft")`)."""
+    rows, gbs = load(config.data.paths[0], "valid"), config.data.global_batch_size
+    return [global_batch(rows, step, gbs, gbs, 0, 1, config.seed, config.data.loss_average, shuffle=False)[0]
+            for step in range(config.eval_iters)]
 
 
 def loss_weights(loss_mask: Any, document: Any, average: str) -> tuple[Any, Any]:

@@ -51,12 +51,15 @@ PEAK_MEASURE_S = 0.5
 
 
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, seconds: float = PEAK_MEASURE_S) -> float:
-    """Dense matmul FLOP/s this process reaches (its device and threads), measured for `seconds`.
+    """Dense matmul FLOP/s this process reaches (its device and threads): the best rate of square matmuls whose size
+    doubles from 256 until one takes a tenth of `seconds` (or reaches `PEAK_MATMUL_SIZE`), each size timed for a
+    quarter of `seconds`.
 
-    Reported beside MFU under its own name (`mfu_of_measured_peak`): the fraction of what this hardware's own
-    largest matmul reaches, the only peak a CPU has (there is no datasheet figure for it). The matrix size doubles
-    from 256 until one matmul takes a tenth of `seconds` (or reaches `PEAK_MATMUL_SIZE`): on a CPU without bf16
-    kernels one large bf16 matmul takes about a minute, which a fixed size spent before every bf16 run.
+    Reported beside MFU under its own name (`mfu_of_measured_peak`): the fraction of the best this hardware's own
+    matmuls reach, the only peak a CPU has (there is no datasheet figure for it). The best size, not the largest: a
+    CPU's rate can fall once the matrices outgrow its caches (docs/megatron-core-on-cpu.md), a GPU's rises up to the
+    largest. The doubling stops on time because on a CPU without bf16 kernels one large bf16 matmul takes about a
+    minute, which a fixed size spent before every bf16 run.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -67,16 +70,17 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, seconds: float = PEA
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    size = PEAK_MIN_SIZE
+    best, size = 0.0, PEAK_MIN_SIZE
     while True:
         a = torch.randn(size, size, dtype=dtype, device=device)
         b = torch.randn_like(a)
         timed(a, b)  # warm-up
-        if size >= PEAK_MATMUL_SIZE or timed(a, b) > seconds / 10:
-            break
+        one = timed(a, b)
+        runs, start = 0, time.perf_counter()
+        while runs == 0 or time.perf_counter() - start < seconds / 4:
+            timed(a, b)
+            runs += 1
+        best = max(best, runs * 2 * size ** 3 / (time.perf_counter() - start))
+        if size >= PEAK_MATMUL_SIZE or one > seconds / 10:
+            return best
         size *= 2
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        timed(a, b)
-        runs += 1
-    return runs * 2 * size ** 3 / (time.perf_counter() - start)
