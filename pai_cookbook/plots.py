@@ -7,7 +7,13 @@ from pathlib import Path
 
 
 def _finish(fig, path: str | Path | None, tight: bool = True):
-    """Tighten the layout (unless the figure has its own) and, when a path is given, save it there as PNG."""
+    """Tighten the layout (unless the figure has its own) and, when a path is given, save it there as PNG. Axes
+    labelled "step" get whole-number ticks (a short run's steps would otherwise read 2.5, 7.5)."""
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:
+        if ax.get_xlabel() == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if tight:
         fig.tight_layout()
     if path is not None:
