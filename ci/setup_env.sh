@@ -1,28 +1,45 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11) and install the cookbook with its notebook and test extras at the exact versions
-# of ci/constraints.txt (pyproject.toml holds the ranges). Idempotent: a second run only checks that everything
-# is installed. On a CPU machine torch==2.13.0 resolves to the CPU wheel on disk; on a GPU machine that already
-# has torch, use ci/gpu.sh instead (it keeps the machine's torch).
+# Create a virtual environment and install the cookbook with its notebook and test extras at the exact versions CI
+# tests (pyproject.toml holds the ranges). Idempotent: a second run only checks that everything is installed.
+#
+#   bash ci/setup_env.sh          # .venv: Megatron-Core 0.19 on Python 3.12 (ci/constraints.txt), what GPU images carry
+#   bash ci/setup_env.sh 0.16     # .venv-mcore016: Megatron-Core 0.16 on Python 3.11 (ci/constraints-mcore016.txt)
+#
+# Why 0.19 is the default (docs/installing.md): it is what users meet; the price is torch's CUDA build on Python
+# 3.12 (PyPI has no CPU build; about 90 s to install with pip's cache warm, a few GB), which runs on the CPU. On a GPU
+# machine that already has torch and Megatron-Core, use ci/gpu.sh instead (it keeps both).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+end="${1:-0.19}"
+case "$end" in
+  0.19) want="3.12"; venv=".venv"; constraints="ci/constraints.txt" ;;
+  0.16) want="3.11"; venv=".venv-mcore016"; constraints="ci/constraints-mcore016.txt" ;;
+  *) echo "setup_env: CI tests Megatron-Core 0.19 (the default) and 0.16; got '$end'" >&2; exit 2 ;;
+esac
+
+is_python() {  # pyenv's shims answer for versions they do not activate, so each candidate is run
+  "$1" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$want'.split('.'))))" 2>/dev/null
+}
 PYTHON="${PYTHON:-}"
-if [ -z "$PYTHON" ]; then
-  for candidate in python3.11 python3; do
-    if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+if [ -z "$PYTHON" ] || ! is_python "$PYTHON"; then
+  PYTHON=""
+  pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
+  for candidate in "python$want" "$pyenv_root"/versions/"$want"*/bin/"python$want" python3; do
+    if command -v "$candidate" >/dev/null && is_python "$candidate"; then
       PYTHON="$candidate"; break
     fi
   done
 fi
 if [ -z "$PYTHON" ]; then
-  echo "setup_env: CI's environment is Python 3.11 (ci/constraints.txt was resolved for it); set PYTHON=/path/to/python3.11" >&2
+  echo "setup_env: Megatron-Core $end is tested on Python $want ($constraints was resolved for it); set PYTHON=/path/to/python$want" >&2
   exit 1
 fi
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+if [ ! -x "$venv/bin/python" ]; then
+  "$PYTHON" -m venv "$venv"
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+"$venv/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 # PIPESTATUS: fail on pip's exit code, not grep's (grep only drops this machine's local-index notices).
-.venv/bin/python -m pip install --quiet -c ci/constraints.txt -e ".[notebooks,test]" 2>&1 | grep -v "^WARNING: Location" || true
+"$venv/bin/python" -m pip install --quiet -c "$constraints" -e ".[notebooks,test]" 2>&1 | grep -v "^WARNING: Location" || true
 test "${PIPESTATUS[0]}" -eq 0
-.venv/bin/python -W ignore -c "import torch, megatron.core, transformers, papermill; print(f'setup_env: torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')"
+"$venv/bin/python" -W ignore -c "import torch, megatron.core, transformers, papermill, sys; print(f'setup_env: $venv: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')" 2>&1 | grep -v "cpp_extension"

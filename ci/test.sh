@@ -3,6 +3,12 @@
 # machine supports: unit tests, 2-process Megatron-Core runs, and every notebook through papermill.
 # GPU-only tests skip themselves (with the reason) where no CUDA device is present.
 #
+# Two ends of the supported Megatron-Core range (core/versions.py): everything runs on the default environment,
+# .venv (Megatron-Core 0.19 on Python 3.12); the second tier, the tests marked `both_ends` (the compatibility layer's
+# patches and the paths that break first on a new release), runs again on .venv-mcore016 (0.16 on Python 3.11), after
+# the tests' session; tests/test_versions.py moves checkpoints between the two. `--mcore 0.16 ARGS` runs one session
+# with ARGS on 0.16.
+#
 # With no arguments the notebooks (with the real-model tests, minutes each too) and the other tiers run as
 # two pytest sessions side by side: most of a test's time is a worker's start (a fresh Python importing torch,
 # Megatron-Core and transformers, one core), so on 2 cores the two streams finish well before one would.
@@ -14,11 +20,22 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash ci/setup_env.sh
+bash ci/setup_env.sh 0.16
+venv=.venv
+if [ "${1:-}" = "--mcore" ]; then
+  case "${2:-}" in
+    0.16) venv=.venv-mcore016 ;;
+    0.19) venv=.venv ;;
+    *) echo "test.sh: --mcore takes 0.19 (the default) or 0.16; got '${2:-}'" >&2; exit 2 ;;
+  esac
+  shift 2
+fi
 # The linter first: a tree that is not clean under ruff (pyproject.toml) fails before the long tiers.
 .venv/bin/ruff check .
 # --timeout: a hung distributed test fails after 10 minutes instead of eating the CI budget (notebooks
 # carry their own, longer limit). --durations: where the CI budget (45 minutes on 2 cores) goes.
-PYTEST=(.venv/bin/python -m pytest tests -q -rs --timeout 600 --durations=25)
+PYTEST=("$venv/bin/python" -m pytest tests -q -rs --timeout 600 --durations=25)
+SECOND_TIER=(.venv-mcore016/bin/python -m pytest tests -q -rs --timeout 600 --durations=10 -m "both_ends and not notebook")
 
 check_collected() {  # pytest's 5: it collected no tests, so the suite is broken
   if [ "$1" -eq 5 ]; then
@@ -45,11 +62,15 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 notebooks=$!
 "${PYTEST[@]}" -m "not notebook and not real_model" --basetemp "$work/tests"
 tests_status=$?
+echo "================ the second tier: Megatron-Core 0.16 on Python 3.11 (.venv-mcore016) ================"
+"${SECOND_TIER[@]}" --basetemp "$work/second"
+second_status=$?
 wait "$notebooks"
 notebooks_status=$?
 echo "================ notebooks and the real model (the second pytest session) ================"
 cat "$work/notebooks.log"
 rm -rf "$work"
 check_collected "$tests_status" "-m 'not notebook and not real_model'" || exit $?
+check_collected "$second_status" "-m both_ends on Megatron-Core 0.16" || exit $?
 check_collected "$notebooks_status" "-m '(notebook or real_model) and not real_notebook'" || exit $?
 exit 0

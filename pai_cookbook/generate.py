@@ -114,7 +114,8 @@ def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/gener
         "tokens_per_s", "seconds", "forward_seconds" (of them, in the model's forward steps), "packing_seconds"
         (before them: the weights packed for oneDNN on a CPU, cpu.linear.packed_for_decoding), "ranks_agree",
         "forward_lengths" (tokens per forward step, per batch), "layers" (what computed it:
-        `core.runtime.layer_record`).
+        `core.runtime.layer_record`), "engine" (which inference engine and path ran, and Megatron-Core's release:
+        `workers.engine.engine_record`).
     """
     from pai_cookbook.core import launch
 

@@ -29,7 +29,8 @@ def check(hf_dir: str | Path, ckpt: str | Path, parallel: ParallelConfig | None 
 
 def check_layouts(hf_dir: str | Path, ckpt: str | Path, layouts: list[ParallelConfig], *,
                   run_dir: str | Path = "runs/parity", batch: int = DEFAULT_BATCH,
-                  seq: int = DEFAULT_SEQ, precision: PrecisionConfig | None = None) -> list[dict[str, Any]]:
+                  seq: int = DEFAULT_SEQ, precision: PrecisionConfig | None = None,
+                  logits_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """Parity at several layouts in one torchrun launch: Megatron-Core's parallel state is rebuilt per
     layout inside one process group, and the Hugging Face logits are computed once.
 
@@ -38,7 +39,9 @@ def check_layouts(hf_dir: str | Path, ckpt: str | Path, layouts: list[ParallelCo
     the yardstick for the Megatron-Core error.
 
     Runs the smallest world that holds every layout (the lcm of `layout.world_size`); every layout is
-    checked against the model and that world before anything starts.
+    checked against the model and that world before anything starts. With `logits_dir` each row also names the file
+    that holds its logits ("logits_file": fp32 safetensors, key "logits"), to compare two runs directly (two
+    Megatron-Core releases: tests/test_versions.py).
     """
     import math
 
@@ -49,7 +52,7 @@ def check_layouts(hf_dir: str | Path, ckpt: str | Path, layouts: list[ParallelCo
     for parallel in layouts:
         layout.check(model, parallel, world, purpose="load", device=runtime.detect_device())
     job = ParityJob(hf_dir=str(hf_dir), ckpt=str(ckpt), layouts=list(layouts), batch=batch, seq=seq,
-                    precision=precision or PrecisionConfig())
+                    precision=precision or PrecisionConfig(), logits_dir=str(logits_dir) if logits_dir else None)
     result = launch.launch(job, nproc_per_node=world, run_dir=run_dir, echo=False, show_progress=False)
     return [row | {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
                    "ep": p.expert_model_parallel_size, "processes": world}

@@ -6,12 +6,12 @@ import re
 import pytest
 import torch
 
-from pai_cookbook.core import compat
+from pai_cookbook.core import compat, versions
 from pai_cookbook.core.config import MemoryConfig, ParallelConfig, PrecisionConfig
 from pai_cookbook.core.launch import WorkerError
 from tests.conftest import tiny_run
 
-pytestmark = [pytest.mark.multiproc,
+pytestmark = [pytest.mark.multiproc, pytest.mark.both_ends,
               pytest.mark.skipif(torch.cuda.is_available(), reason="the compatibility layer is a no-op on CUDA")]
 
 TP2 = ParallelConfig(tensor_model_parallel_size=2)
@@ -41,6 +41,10 @@ BREAKS_WITHOUT = {
 }
 
 
+INSTALLED = versions.megatron_core_version()
+NEEDED = {p.name for p in compat.needed()}
+
+
 def test_every_patch_has_a_test():
     # gloo_p2p: below; inference_pipeline_tensors: tests/test_generate.py (generation at PP=2)
     assert set(BREAKS_WITHOUT) | {"gloo_p2p", "inference_pipeline_tensors"} == {p.name for p in compat.PATCHES}
@@ -48,6 +52,10 @@ def test_every_patch_has_a_test():
 
 @pytest.mark.parametrize("patch", sorted(BREAKS_WITHOUT))
 def test_patch_is_needed(patch, run_scenario):
+    """On the installed release, each patch it claims is needed: its scenario fails without it. CI runs this file
+    on both ends of the supported range (ci/test.sh), so every claim is checked on 0.16 and on 0.19."""
+    if patch not in NEEDED:
+        pytest.skip(f"{patch} is retired on megatron-core {INSTALLED} (test_retired_patches_are_not_needed)")
     config, nproc, scenario, symptom = BREAKS_WITHOUT[patch]
     with pytest.raises(WorkerError) as err:
         run_scenario(config, nproc, scenario, skip=patch)
@@ -113,7 +121,7 @@ def test_apply_is_idempotent_and_rejects_unknown_names():
     import subprocess
     import sys
     code = ("from pai_cookbook.core import compat; a = compat.apply(); b = compat.apply(); "
-            "assert a is b and len(a) == len(compat.PATCHES), a; print('ok')")
+            "assert a is b and a == [p.name for p in compat.needed()], a; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
     bad = subprocess.run([sys.executable, "-c", "from pai_cookbook.core import compat; compat.apply(skip=('nope',))"],
@@ -134,7 +142,29 @@ def test_cuda_event_keeps_time_on_cpu():
     assert 50.0 <= float(out.stdout) < 5000.0  # milliseconds, like CUDA's elapsed_time
 
 
-def test_another_megatron_core_version_is_refused_on_cpu():
-    compat.check_version(compat.PROVEN_ON + ".1")  # the proven minor version passes
-    with pytest.raises(RuntimeError, match=r"megatron-core 0.17.0 is installed.*tested for megatron-core 0.16.x"):
-        compat.check_version("0.17.0")
+@pytest.mark.parametrize("patch", sorted(set(BREAKS_WITHOUT) - NEEDED) or [None])
+def test_retired_patches_are_not_needed(patch, run_scenario):
+    """A patch upstream made unnecessary is not applied on the releases after the fix, and its scenario runs there."""
+    if patch is None:
+        pytest.skip(f"megatron-core {INSTALLED} needs every patch")
+    config, nproc, scenario, _ = BREAKS_WITHOUT[patch]
+    losses = run_scenario(config, nproc, scenario)["losses"]  # the patch is not applied (NEEDED), and it trains
+    assert len(losses) == config.train_iters and abs(losses[0] - 5.545) < 0.05
+
+
+def test_patch_versions_cover_the_two_ends():
+    # te_general_gemm: 0.17 binds the name to None without Transformer Engine (moe_utils); every other patch is
+    # needed on both ends (test_patch_is_needed, run by CI on each)
+    assert {p.name for p in compat.needed("0.16.1")} == {p.name for p in compat.PATCHES}
+    assert {p.name for p in compat.PATCHES} - {p.name for p in compat.needed("0.19.2")} == {"te_general_gemm"}
+
+
+def test_a_megatron_core_outside_the_range_is_refused():
+    versions.check("0.16.1", "2.13.0")
+    versions.check("0.19.2", "2.11.0a0+6c3e8d5.nv26.02")  # NGC's pre-release build of the torch floor
+    for bad in ("0.15.3", "0.20.0"):
+        with pytest.raises(RuntimeError, match=rf"megatron-core {bad} is installed, but the cookbook is tested on "
+                                               r"megatron-core<0\.20,>=0\.16\.1\. Install a version inside"):
+            versions.check(bad, "2.13.0")
+    with pytest.raises(RuntimeError, match=r"torch 2.5.1 is installed"):
+        versions.check("0.19.2", "2.5.1")

@@ -76,6 +76,16 @@ def test_greedy_equals_transformers_at_tp1_and_tp2(family, checkpoints, first_la
 
 
 @pytest.mark.multiproc
+def test_every_result_records_the_engine_and_path_that_ran(first_launch):
+    from pai_cookbook.core import versions
+
+    expected = {"megatron_core": str(versions.megatron_core_version()), "engine": "StaticInferenceEngine",
+                "path": "static batching (legacy=True)", "padding": "left", "kv_cache": True}
+    assert first_launch["llama tp2"][1]["engine"] == expected
+    assert first_launch["uncached tp1"][1]["engine"] == expected | {"kv_cache": False}
+
+
+@pytest.mark.multiproc
 def test_pipeline_parallel_generation_equals_one_process(checkpoints, first_launch):
     # The last stage's logits are broadcast to every stage, which samples with the same generator.
     assert first_launch["llama pp2"][1]["tokens"] == first_launch["llama tp1"][1]["tokens"]

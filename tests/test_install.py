@@ -1,12 +1,12 @@
-"""The cookbook installs beside the torch a GPU image already has, and does not replace it.
+"""The cookbook installs beside the torch and Megatron-Core a GPU image already has, and replaces neither.
 
-GPU images (PAI, NGC) ship Python 3.12 with a CUDA build of torch. pip's own resolver decides, from the
-cookbook's real metadata, what `pip install -e .` would change. It runs here in a fresh Python 3.12 virtual
-environment holding a stub torch: a dist-info folder that declares one torch version and nothing else.
-That is honest for this question because the resolver reads only installed metadata, and cheap (no 5 GB
-CUDA wheel per CI run); the full install and the fast tier on a real torch 2.11.0+cu130 ran once, recorded
-in docs/installing.md. The control, a torch older than the cookbook's floor, must come out replaced: the
-check can fail.
+GPU images (PAI, NGC) ship Python 3.12 with a CUDA build of torch and, usually, Megatron-Core. pip's own resolver
+decides, from the cookbook's real metadata, what `pip install -e .` would change. It runs here in a fresh Python 3.12
+virtual environment holding a stub torch and a stub megatron-core: dist-info folders that each declare one version
+and nothing else. That is honest for this question because the resolver reads only installed metadata, and cheap (no
+5 GB CUDA wheel per CI run); CI's own default environment is a real install of both (ci/setup_env.sh), and the full
+install on a real torch 2.11.0+cu130 ran once, recorded in docs/installing.md. The controls, a torch below the
+cookbook's floor and a megatron-core below its range, must come out replaced: the check can fail.
 """
 
 import json
@@ -35,14 +35,16 @@ def _python312() -> str | None:
 PYTHON312 = _python312()
 
 
-def _stub_torch(site: Path, version: str) -> None:
-    for old in site.glob("torch-*.dist-info"):
+def _stub(site: Path, name: str, version: str) -> None:
+    """An installed distribution as pip's resolver sees it: a dist-info folder declaring `name` at `version`."""
+    folder = name.replace("-", "_")
+    for old in site.glob(f"{folder}-*.dist-info"):
         for f in old.iterdir():
             f.unlink()
         old.rmdir()
-    info = site / f"torch-{version}.dist-info"
+    info = site / f"{folder}-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     (info / "INSTALLER").write_text("pip\n")
     (info / "RECORD").write_text("")
 
@@ -58,18 +60,24 @@ def _would_install(python: Path, report: Path) -> dict[str, str]:
 
 
 @pytest.mark.skipif(PYTHON312 is None, reason="no Python 3.12 on this machine (GPU images' Python)")
-def test_install_keeps_the_torch_a_gpu_image_has(tmp_path):
+def test_install_keeps_the_torch_and_megatron_core_a_gpu_image_has(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([PYTHON312, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     # An NGC container's pre-release build of the floor release: the lowest torch the cookbook keeps (PyPI's
-    # 2.11.0+cu130, what the lent GPU machines have, sorts above it).
-    _stub_torch(site, "2.11.0a0+6c3e8d5.nv26.02")
+    # 2.11.0+cu130, what the lent GPU machines have, sorts above it), beside the Megatron-Core of late-2026 images.
+    _stub(site, "torch", "2.11.0a0+6c3e8d5.nv26.02")
+    _stub(site, "megatron-core", "0.19.2")
     plan = _would_install(python, tmp_path / "report.json")
     assert "torch" not in plan, f"installing beside the image's torch would replace it with {plan['torch']}"
-    assert plan["megatron-core"].startswith("0.16.") and "pai-cookbook" in plan, plan
-    _stub_torch(site, "2.5.1")
-    assert "torch" in _would_install(python, tmp_path / "report.json"), "a torch below the floor was kept"
+    assert "megatron-core" not in plan, f"the image's megatron-core 0.19.2 would become {plan['megatron-core']}"
+    assert "pai-cookbook" in plan, plan
+    # The controls: what lies outside the ranges is replaced, so the check can fail.
+    _stub(site, "torch", "2.5.1")
+    _stub(site, "megatron-core", "0.15.3")
+    plan = _would_install(python, tmp_path / "report.json")
+    assert "torch" in plan, "a torch below the floor was kept"
+    assert plan["megatron-core"].startswith("0.19."), f"megatron-core 0.15.3 was kept or replaced oddly: {plan}"
 

@@ -162,6 +162,7 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
         raise said from err
     torch.distributed.barrier()
     if rank0:
+        _common_state_for_older_releases(partial)
         write_config(partial, model, dtype, **provenance)
         for folder in [assets] if isinstance(assets, Path) else assets or []:
             if folder.exists():
@@ -169,6 +170,22 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
         publish(partial, out)
     torch.distributed.barrier()
     return Path(out)
+
+
+def _common_state_for_older_releases(folder: Path) -> None:
+    """Where this Megatron-Core keeps the common state inside the torch_dist files (`versions.common_state_in_shards`),
+    also write it as `common.pt` and name that backend in metadata.json, as 0.16 writes and reads a checkpoint: a
+    checkpoint saved on 0.19 then loads on 0.16 (tests/test_versions.py), and 0.19 reads the same state from either."""
+    from pai_cookbook.core import versions
+
+    if not versions.common_state_in_shards():
+        return
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    torch.save(load_common_state_dict(str(folder)), folder / "common.pt")
+    metadata = folder / "metadata.json"
+    config = json.loads(metadata.read_text())
+    metadata.write_text(json.dumps(config | {"common_backend": "torch", "common_backend_version": 1}))
 
 
 DISK_FULL_BYTES = 64 * 2**20

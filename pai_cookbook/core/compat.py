@@ -1,13 +1,16 @@
-"""Megatron-Core 0.16 on a machine without CUDA: the cookbook's one compatibility layer.
+"""Megatron-Core on a machine without CUDA: the cookbook's one compatibility layer, per Megatron-Core release.
 
 Megatron-Core assumes CUDA in a handful of places. On a CPU-only machine each of them fails (or, in
 one case, silently computes the wrong loss). `apply()` patches around each of them, once per
 process, before any model is built; where CUDA is present it does nothing. Megatron-Core's own files
 are never edited: every patch rebinds a name from outside, in the spirit of Pai-Megatron-Patch.
 
-Each patch is a named entry of `PATCHES` with the symptom it removes. `tests/test_compat.py` runs a
-small real scenario per patch with that patch skipped (PAI_COOKBOOK_COMPAT_SKIP=name) and shows it
-fails, then with it applied and shows it works. docs/megatron-core-on-cpu.md has the measurements.
+Each patch is a named entry of `PATCHES` with the symptom it removes and the Megatron-Core releases it applies to
+(`versions`): a patch upstream made unnecessary is retired for the releases after it, and one a release needs anew
+names the releases from it. `tests/test_compat.py` runs a small real scenario per patch with that patch skipped
+(PAI_COOKBOOK_COMPAT_SKIP=name) on whichever release is installed, and shows it fails on every release the patch
+claims; CI runs it on both ends of `core.versions.MEGATRON_CORE`. docs/megatron-core-on-cpu.md has, per release,
+what is patched and why.
 
 What is *not* patched, because it is a choice rather than a bug: grouped GEMM for experts needs
 CUDA, so `pai_cookbook.model` picks Megatron-Core's SequentialMLP (a per-expert loop of matmuls, the
@@ -26,11 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-from pai_cookbook.core import megatron_import, standins
+from pai_cookbook.core import megatron_import, standins, versions
 
-PROVEN_ON = "0.16"
-"""The Megatron-Core minor version these patches were written and tested for (megatron-core 0.16.x)."""
+EVERY_RELEASE = versions.MEGATRON_CORE
 SKIP_ENV = "PAI_COOKBOOK_COMPAT_SKIP"
 """Comma-separated patch names to leave out: a diagnostic switch used by the tests."""
 
@@ -43,6 +47,11 @@ class Patch:
     symptom: str
     """What happens on a CPU-only machine without this patch."""
     apply: Callable[[], None]
+    versions: SpecifierSet = EVERY_RELEASE
+    """The Megatron-Core releases that need it (shown by its test failing without it on each)."""
+
+    def applies_to(self, version: Version | str) -> bool:
+        return self.versions.contains(Version(str(version)), prereleases=True)
 
 
 def _rebind(module: types.ModuleType, name: str, new: Any) -> None:
@@ -192,9 +201,10 @@ def _patch_alltoall_split_sizes() -> None:
     def as_list(sizes):
         return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
 
-    def forward_with_lists(ctx, group, input, output_split_sizes, input_split_sizes):
-        # gloo's all_to_all_single takes Python lists of sizes (NCCL tolerates tensors).
-        return forward(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes))
+    def forward_with_lists(ctx, group, input, output_split_sizes, input_split_sizes, *rest):
+        # gloo's all_to_all_single takes Python lists of sizes (NCCL tolerates tensors). `rest`: 0.17+ adds
+        # `use_nccl_stream`.
+        return forward(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes), *rest)
 
     mappings._AllToAll.forward = staticmethod(forward_with_lists)
 
@@ -331,7 +341,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("cuda_type_names", "optimizer asserts param.type() == 'torch.cuda.FloatTensor'",
           _patch_type_names),
     Patch("te_general_gemm", "NameError: te_general_gemm in the MoE router without Transformer Engine",
-          _patch_te_general_gemm),
+          _patch_te_general_gemm, SpecifierSet("<0.17")),  # 0.17 binds it to None without TE
     Patch("alltoall_split_sizes", "TypeError in all_to_all_single: gloo wants split sizes as lists",
           _patch_alltoall_split_sizes),
     Patch("torch_norm_sequence_parallel", "AssertionError: sequence parallel not supported by torch LayerNorm",
@@ -347,22 +357,10 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 
-def check_version(version: str | None = None) -> None:
-    """Refuse a Megatron-Core other than the one the patches were proven on: patching another version
-    blindly could miss a new CUDA assumption or rebind a name that now means something else.
-
-    Raises:
-        RuntimeError: naming the installed version and the fix.
-    """
-    if version is None:
-        import megatron.core
-
-        version = megatron.core.__version__
-    if version.split(".")[:2] != PROVEN_ON.split("."):
-        raise RuntimeError(f"megatron-core {version} is installed, but the cookbook's CPU compatibility layer was "
-                           f"written and tested for megatron-core {PROVEN_ON}.x. On a machine without CUDA install "
-                           f"'megatron-core=={PROVEN_ON}.*' (bash ci/setup_env.sh does); GPU machines need no patches "
-                           f"and run any supported version.")
+def needed(version: Version | str | None = None) -> tuple[Patch, ...]:
+    """The patches the given Megatron-Core release (by default the installed one) needs, in the order applied."""
+    version = version if version is not None else versions.megatron_core_version()
+    return tuple(p for p in PATCHES if p.applies_to(version))
 
 
 def apply(skip: tuple[str, ...] | None = None) -> list[str]:
@@ -371,7 +369,7 @@ def apply(skip: tuple[str, ...] | None = None) -> list[str]:
     Args:
         skip: patch names to leave out; defaults to the PAI_COOKBOOK_COMPAT_SKIP variable.
     Returns:
-        The names of the patches applied in this process.
+        The names of the patches applied in this process (those the installed Megatron-Core needs, `needed()`).
     """
     global _applied
     if _applied is not None:
@@ -380,14 +378,14 @@ def apply(skip: tuple[str, ...] | None = None) -> list[str]:
         _applied = []
         return _applied
     megatron_import.without_inductor()
-    check_version()
+    versions.check()
     if skip is None:
         skip = tuple(s for s in os.environ.get(SKIP_ENV, "").split(",") if s)
     unknown = set(skip) - {p.name for p in PATCHES}
     if unknown:
         raise ValueError(f"unknown compat patch(es) {sorted(unknown)}; known: {[p.name for p in PATCHES]}")
     _applied = []
-    for patch in PATCHES:
+    for patch in needed():
         if patch.name not in skip:
             patch.apply()
             _applied.append(patch.name)

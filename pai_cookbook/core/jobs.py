@@ -159,6 +159,8 @@ class ParityJob(Job):
     seq: int = DEFAULT_SEQ
     seed: int = 1234
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    logits_dir: str | None = None
+    """Where rank 0 writes each layout's logits (`layout<i>.safetensors`, key "logits"), to compare two runs."""
 
 
 @dataclass(kw_only=True)

@@ -124,9 +124,7 @@ def _layer_spec(model: ModelConfig, config, vp_stage: int | None, use_te: bool, 
             spec.module = seeded
             if not use_te:
                 _local_swaps(spec, model)
-            experts = getattr(spec.submodules.mlp.submodules, "experts", None)
-            if experts is not None and experts.module is SequentialMLP:
-                experts.module = _seeded_experts_class(SequentialMLP)
+        swap_classes(block, {SequentialMLP: _seeded_experts_class(SequentialMLP)})  # grouped experts: not re-seeded
         return block
     if use_te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)

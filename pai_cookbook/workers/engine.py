@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -42,8 +43,8 @@ from pai_cookbook.core.tokenizer import MegatronView
 
 FINISH_EOS, FINISH_STOP, FINISH_LENGTH = "eos", "stop", "length"
 BATCH_SEED_STRIDE = 1_000_003  # a prime above any batch count: distinct (seed, batch) -> distinct streams
-# Pipeline-parallel inference splits a batch into micro-batches above this many batch x sequence
-# tokens; -1 keeps one micro-batch (Megatron-LM's default threshold is 512).
+# Pipeline-parallel inference on 0.16 splits a batch into micro-batches above this many batch x sequence
+# tokens; -1 keeps one micro-batch (Megatron-LM's default threshold is 512). 0.17 on sends a batch whole.
 _PP_MICROBATCH_TOKENS = 512
 
 
@@ -193,19 +194,43 @@ def build_engine(gpt, model, tokenizer: MegatronView, config: GenerationConfig, 
     """Megatron-Core's static engine over `gpt` (built for `device`), with the cookbook's controller and wrapper."""
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.engines import StaticInferenceEngine
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
-    wrapper_config = InferenceWrapperConfig(
-        hidden_size=model.hidden_size, params_dtype=dtype, padded_vocab_size=model.padded_vocab_size(
-            parallel.tensor_model_parallel_size), inference_batch_times_seqlen_threshold=_PP_MICROBATCH_TOKENS,
-        inference_max_requests=config.batch_size, inference_max_seq_length=max_sequence)
-    wrapped = _wrapper_class(config.kv_cache)(gpt, wrapper_config,
-                                                 StaticInferenceContext.from_config(wrapper_config))
-    wrapped.forward_lengths = []
+    from pai_cookbook.core import versions
+
+    context = StaticInferenceContext(config.batch_size, max_sequence)
+    wrapper = _wrapper_class(config.kv_cache)
+    if versions.inference_wrapper_takes_config():
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+
+        wrapper_config = InferenceWrapperConfig(
+            hidden_size=model.hidden_size, params_dtype=dtype, padded_vocab_size=model.padded_vocab_size(
+                parallel.tensor_model_parallel_size), inference_batch_times_seqlen_threshold=_PP_MICROBATCH_TOKENS,
+            inference_max_requests=config.batch_size, inference_max_seq_length=max_sequence)
+        wrapped = wrapper(gpt, wrapper_config, context)
+    else:  # 0.17 on: the model's own config and the context say it all (and a PP batch is one micro-batch)
+        wrapped = wrapper(gpt, context)
+    wrapped.forward_lengths, wrapped.kv_cache = [], config.kv_cache
     controller = _controller_class()(wrapped, tokenizer)
     controller.device_info = device  # read by generate_batch (left padding) and decoding_weights
-    # legacy=True: the batched static path; the dynamic engine needs flash_attn and CUDA graphs.
-    return StaticInferenceEngine(controller, max_batch_size=config.batch_size, legacy=True)
+    # legacy=True: the batched static path, chosen on every release (docs/installing.md, "Inference"): the cookbook's
+    # controller and left-padding swap are written for it, and the dynamic engine (what legacy=False starts from 0.16
+    # on, falling back to this path with a warning where it cannot) needs CUDA memory pools and CUDA graphs.
+    # `engine_record` says which path ran, from the engine's own flag.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The static engine will be deprecated")  # recorded instead
+        return StaticInferenceEngine(controller, max_batch_size=config.batch_size, legacy=True)
+
+
+def engine_record(engine, device: runtime.DeviceInfo) -> dict[str, Any]:
+    """Which inference engine and path ran a generation, as every generation result records it (`result["engine"]`,
+    beside `result["layers"]`): Megatron-Core's release, the engine class, its path (`engine.legacy`: the static
+    batching path, or the dynamic engine the static one runs underneath), how a batch is padded, and the KV cache."""
+    from pai_cookbook.core import versions
+
+    wrapped = engine.controller.inference_wrapped_model
+    return {"megatron_core": str(versions.megatron_core_version()), "engine": type(engine).__name__,
+            "path": "static batching (legacy=True)" if engine.legacy else "dynamic engine (under the static one)",
+            "padding": "left" if left_pads(device) else "right", "kv_cache": wrapped.kv_cache}
 
 
 def left_pads(device: runtime.DeviceInfo) -> bool:

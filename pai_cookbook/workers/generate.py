@@ -14,7 +14,7 @@ from pai_cookbook.core import checkpoint, runtime, worker
 from pai_cookbook.core.config import PrecisionConfig
 from pai_cookbook.core.jobs import GenerationBatch, GenerationJob
 from pai_cookbook.core.tokenizer import MegatronView
-from pai_cookbook.workers.engine import BATCH_SEED_STRIDE, build_engine, decoding_weights, generate_batch
+from pai_cookbook.workers.engine import BATCH_SEED_STRIDE, build_engine, decoding_weights, engine_record, generate_batch
 
 
 def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
@@ -68,7 +68,8 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
             if worker.rank() == 0:
                 worker.progress(min((number + 1) * batch_size, len(prompts)), len(prompts))
         seconds = time.perf_counter() - start
-    return _gather(job, mine, forward_lengths, (seconds, wrapped.forward_seconds, start - packing), parallel)
+    result = _gather(job, mine, forward_lengths, (seconds, wrapped.forward_seconds, start - packing), parallel)
+    return result and result | {"engine": engine_record(engine, device)}
 
 
 def _gather(job, mine, forward_lengths, timing: tuple[float, float, float], parallel) -> dict[str, Any]:

@@ -46,6 +46,18 @@ def megatron_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torc
     return found if torch.distributed.get_rank() == 0 else None
 
 
+def _save_logits(logits: torch.Tensor, folder: Path, index: int) -> str:
+    """Write one layout's logits (fp32, the real vocabulary) to `folder/layout<index>.safetensors`, atomically."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"layout{index}.safetensors"
+    partial = path.with_suffix(".partial")
+    save_file({"logits": logits.float().contiguous()}, str(partial))
+    partial.replace(path)
+    return str(path)
+
+
 @worker.entry(ParityJob)
 def main(job: ParityJob) -> dict[str, Any] | None:
     model, _ = checkpoint.read_config(job.ckpt)
@@ -59,7 +71,7 @@ def main(job: ParityJob) -> dict[str, Any] | None:
         own_error = {"hf_low_precision_max_abs_diff": float((hf_low - reference).abs().max())}
     rows = []
     with worker.session():
-        for parallel, device in zip(job.layouts, runtime.each_layout((p, job.seed) for p in job.layouts)):
+        for i, (parallel, device) in enumerate(zip(job.layouts, runtime.each_layout((p, job.seed) for p in job.layouts))):
             chunks = build_model(model, parallel, job.precision, device, job.seed)
             checkpoint.load(chunks, job.ckpt)
             for chunk in chunks:
@@ -67,6 +79,8 @@ def main(job: ParityJob) -> dict[str, Any] | None:
             logits = megatron_logits(chunks, tokens)
             if reference is not None:
                 rows.append(compare_logits(reference, logits[..., :model.vocab_size], tokens) | own_error)
+                if job.logits_dir:
+                    rows[-1]["logits_file"] = _save_logits(logits[..., :model.vocab_size], Path(job.logits_dir), i)
     return {"rows": rows} if worker.rank() == 0 else None
 
 
