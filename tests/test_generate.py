@@ -62,6 +62,7 @@ def first_launch(checkpoints, tmp_path_factory):
     return {job.label: (job, result) for job, result in zip(jobs, results)}
 
 
+@pytest.mark.both_ends
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family", families.supported())
 def test_greedy_equals_transformers_at_tp1_and_tp2(family, checkpoints, first_launch):

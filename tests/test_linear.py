@@ -1,5 +1,6 @@
 """`cpu.linear`: Megatron-Core's parallel linears with a short forward where no gradient is recorded (TP=1)."""
 
+import pytest
 import torch
 
 from pai_cookbook.core import families, runtime
@@ -65,12 +66,13 @@ def _static_decode(gpt, model, tokens: torch.Tensor, steps: int, left_padding: l
     from megatron.core.inference.contexts import StaticInferenceContext
 
     from pai_cookbook.core.attention import LEFT_PADDING
+    from pai_cookbook.workers.engine import inference_mode
 
     rows, width = tokens.shape
     context = StaticInferenceContext(rows, width + steps)
     setattr(context, LEFT_PADDING, None if left_padding is None else torch.tensor(left_padding))
     logits, positions = [], torch.arange(width).expand(rows, width)
-    with torch.no_grad():
+    with torch.no_grad(), inference_mode():  # as the engine runs it (0.18 on: only the last token's logits then)
         for _ in range(steps + 1):
             out = gpt(tokens, positions, None, inference_context=context, runtime_gather_output=True)
             logits.append(out)
@@ -127,6 +129,7 @@ def _short_and_megatron_forward(family: str, **overrides) -> None:
         assert all(p.grad is not None for m in layers for p in m.self_attention.parameters()), family
 
 
+@pytest.mark.both_ends
 def test_lean_layers_decode_as_megatron_core_does_bit_for_bit():
     """`cpu.lean_layer`: a prefill and six KV-cached decode steps, the rows unpadded and left-padded, give the same
     logits bit for bit with the short layer and attention forward as with Megatron-Core's, for a dense model with

@@ -76,6 +76,7 @@ def test_the_same_seed_samples_the_same_run(sampled, llama, tmp_path):
     assert [r["tokens"] for r in rlhf.read_rollouts(tmp_path)] == first
 
 
+@pytest.mark.both_ends
 @pytest.mark.multiproc
 def test_tensor_parallel_grpo_equals_one_process_on_the_same_rollouts(sampled, llama, tmp_path):
     result, run_dir = sampled

@@ -312,6 +312,7 @@ def test_validation_batches_are_the_held_out_rows_in_order_with_the_runs_weights
     assert sum(float(b["loss_count"]) for b in batches) == sum(float(mb["loss_count"]) for mb in worker_view)
 
 
+@pytest.mark.both_ends
 @pytest.mark.multiproc
 def test_packed_training_at_tp2_and_pp2_matches_one_process_for_20_steps(packed_set, run_scenario):
     """Packed rows, block-diagonal attention: TP=2 and PP=2 train as one process does (losses and validation

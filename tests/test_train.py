@@ -38,6 +38,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(tree, timeout=30)
 
 
+@pytest.mark.both_ends
 @pytest.mark.multiproc
 def test_killed_run_resumes_exactly(tmp_path):
     """SIGKILL every process of a TP=2 run once a checkpoint exists; the resumed steps equal an uninterrupted
@@ -134,6 +135,7 @@ def corpus(tmp_path_factory):
     return folder / "ds"
 
 
+@pytest.mark.both_ends
 @pytest.mark.multiproc
 def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scenario):
     """TP=2, PP=2 (layers seed their init by global layer number, so stage 2 builds the PP=1 model's layer

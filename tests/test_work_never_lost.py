@@ -37,6 +37,7 @@ def _run(save_dir, train_iters, lr=3e-4, checkpoint_keep=2, **fields):
                     **fields)
 
 
+@pytest.mark.both_ends
 def test_a_resumed_run_trains_its_new_steps_on_the_schedule_asked_for(tmp_path, capsys):
     """A finished 2-step run asked again for 4 steps at 10x the learning rate: steps 3-4 follow the new schedule (the
     checkpoint's, restored by Megatron-Core by default, would hold them at the old floor), and the change is said."""

@@ -370,6 +370,47 @@ def _fill_adam_state(inner) -> None:
             group["lr"] = rate
 
 
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+"""A parameter group's schedule, which Megatron-Core 0.19 on also matches saved groups to current ones by."""
+
+
+def _schedule_asked_for(current: list[dict], saved: dict) -> None:
+    """Give each saved parameter group (every "param_groups" list in the optimizer's `saved` state, whatever the
+    optimizer's nesting) the schedule of the current group it restores, in place.
+
+    A resumed run trains on the schedule asked for (`override_opt_param_scheduler`, `workers.training.build`). From
+    0.19 on, Megatron-Core pairs saved and current groups by a tuple that includes the schedule
+    (`param_group_identifier_keys`), so a run resumed with another learning rate, or from a 0.16 checkpoint, whose
+    groups carry no schedule, would find no group ("Could not find parameter group with key"). Pairing by the other
+    keys (weight-decay and learning-rate multipliers, expert-parallel, decoupled) and taking the schedule from the
+    current group is what the override does anyway; before 0.19 the tuple holds no schedule key and nothing changes."""
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    identifiers = tuple(megatron_optimizer.param_group_identifier_keys)
+    schedule = [key for key in _SCHEDULE_KEYS if key in identifiers]
+    if not schedule:
+        return
+    others = [key for key in identifiers if key not in schedule]
+
+    def identity(group: dict) -> tuple:
+        return tuple(group.get(key, group.get(f"pre_{key}")) for key in others)
+
+    by_identity = {identity(group): group for group in current}
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "param_groups" and isinstance(value, list):
+                    for group in value:
+                        asked = by_identity.get(identity(group))
+                        if asked is not None:
+                            group.update({k: asked[k] for k in schedule if k in asked})
+                else:
+                    walk(value)
+
+    walk(saved)
+
+
 def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
     """Restore model, optimizer, LR schedule and RNG from a training checkpoint; returns its step."""
     from megatron.core import dist_checkpointing
@@ -385,10 +426,11 @@ def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
     else:
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(state[f"model{i}"])
-    with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the fp32 weights
-        optimizer.load_state_dict(state["optimizer"])
     # one state per chained optimizer, in the order ChainedOptimizer.load_state_dict gives them out
     saved_states = [state["optimizer"]] if len(chained) == 1 else [v for _, v in sorted(state["optimizer"].items())]
+    _schedule_asked_for([g for inner in chained for g in inner.optimizer.param_groups], state["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the fp32 weights
+        optimizer.load_state_dict(state["optimizer"])
     for inner, saved in zip(chained, saved_states, strict=True):
         if inner in torch_adams:
             (step,) = {group["step"] for group in saved["optimizer"]["param_groups"]}

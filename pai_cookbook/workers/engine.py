@@ -216,9 +216,29 @@ def build_engine(gpt, model, tokenizer: MegatronView, config: GenerationConfig, 
     # controller and left-padding swap are written for it, and the dynamic engine (what legacy=False starts from 0.16
     # on, falling back to this path with a warning where it cannot) needs CUDA memory pools and CUDA graphs.
     # `engine_record` says which path ran, from the engine's own flag.
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), inference_mode():
         warnings.filterwarnings("ignore", message="The static engine will be deprecated")  # recorded instead
         return StaticInferenceEngine(controller, max_batch_size=config.batch_size, legacy=True)
+
+
+@contextlib.contextmanager
+def inference_mode():
+    """Megatron-Core's process-wide "an engine is using the model" flag (`InferenceMode`, 0.18 on), set for the
+    duration of a generation only. The static engine sets it when it is built and never clears it, and a model
+    forward under it refuses what training does (logits left split over TP: "Inference must always gather TP
+    logits"), so the RL worker, which trains the very model it samples from, would fail at its first update."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:  # 0.16, 0.17: no such flag
+        yield
+        return
+    was = InferenceMode.is_active()
+    InferenceMode.set_active()
+    try:
+        yield
+    finally:
+        if not was:
+            InferenceMode.unset_active()
 
 
 def engine_record(engine, device: runtime.DeviceInfo) -> dict[str, Any]:
@@ -268,4 +288,5 @@ def generate_batch(engine, prompts: list[list[int]], params, **settings: Any) ->
     # every vocabulary.
     requests = [InferenceRequest(request_id=engine.get_new_request_id(), prompt="", prompt_tokens=[0] * pad + list(p),
                                  sampling_params=params) for p, pad in zip(prompts, padding)]
-    return list(engine.generate(inference_requests=requests))
+    with inference_mode():
+        return list(engine.generate(inference_requests=requests))
