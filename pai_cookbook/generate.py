@@ -186,7 +186,8 @@ def generate(ckpt: str | Path, prompts: Sequence[str | dict[str, Any]], config: 
         config: decoding settings; default greedy.
     Returns:
         {"records": one dict per prompt (prompt fields, completion, prompt_tokens, completion_tokens,
-        finish_reason), "tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree"}.
+        finish_reason), "tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree", "layers" and
+        "engine" (what computed them: `run_jobs`)}.
     Raises:
         ConfigError / ValueError / FileNotFoundError: before any worker starts (see `prepare`).
     """
@@ -198,7 +199,7 @@ def generate(ckpt: str | Path, prompts: Sequence[str | dict[str, Any]], config: 
     job = prepare(ckpt, records, config, parallel)
     (out,) = run_jobs([job], run_dir=run_dir, nproc_per_node=nproc_per_node, show_progress=show_progress)
     return {"records": completion_records(job.ckpt, records, job, out)} | {
-        k: out[k] for k in ("tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree")}
+        k: out[k] for k in ("tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree", "layers", "engine")}
 
 
 class NotSaved(OSError):

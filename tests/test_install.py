@@ -81,3 +81,16 @@ def test_install_keeps_the_torch_and_megatron_core_a_gpu_image_has(tmp_path):
     assert "torch" in plan, "a torch below the floor was kept"
     assert plan["megatron-core"].startswith("0.19."), f"megatron-core 0.15.3 was kept or replaced oddly: {plan}"
 
+
+
+def test_the_range_checked_at_import_is_the_one_pyproject_declares():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from pai_cookbook.core import versions
+
+    declared = {Requirement(d).name: Requirement(d).specifier
+                for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    assert declared["megatron-core"] == versions.MEGATRON_CORE and declared["torch"] == versions.TORCH
+    assert set(versions.TESTED) == {"0.16", "0.19"}

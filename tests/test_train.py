@@ -158,6 +158,21 @@ def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scena
         assert [v for _, v in other["valid_losses"]] == pytest.approx([v for _, v in reference["valid_losses"]], abs=1e-4)
 
 
+@pytest.mark.multiproc
+def test_qwen3_trains_at_tp2_as_one_process_does(run_scenario):
+    """Qwen3 (dense): query and key norms over heads 24 wide where hidden / heads is 16, so a split that assumed
+    hidden / heads would cut the QKV weight in the wrong places; 5 steps at TP=2 (and TP=2 with sequence parallelism)
+    give one process's losses."""
+    def config(parallel):
+        return tiny_run("qwen3", parallel=parallel, train_iters=5)
+
+    reference = run_scenario(config(ParallelConfig()), 1)["losses"]
+    runs = run_scenario.layouts([config(ParallelConfig(tensor_model_parallel_size=2)),
+                                 config(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))], 2)
+    for run in runs:
+        assert run["losses"] == pytest.approx(reference, abs=1e-5)
+
+
 def test_moe_training_at_tp_without_sequence_parallelism_is_refused_before_launch(tmp_path):
     config = tiny_run("mixtral", parallel=ParallelConfig(tensor_model_parallel_size=2))
     with pytest.raises(ConfigError, match=r"training an MoE model at TP=2 needs sequence_parallel=True"):
@@ -203,15 +218,17 @@ def test_training_rotary_and_swiglu_compute_what_megatron_cores_do_bit_for_bit(r
     loss and every parameter's gradient bit for bit (so nothing trained changes: notebook 08's PPO run without the
     KL penalty moved on a 1e-7 difference, docs/cpu-history.md). Grouped-query attention (Llama, also
     bf16 and an MLP width of 100, whose vector loops end in a remainder), biases and a tied embedding (Qwen2), query
-    and key norms with experts (Qwen3-MoE, whose experts keep Megatron-Core's MLP), a sliding window (Mistral)."""
+    and key norms with experts (Qwen3-MoE, whose experts keep Megatron-Core's MLP), a sliding window (Mistral), query
+    and key norms with a head width of their own (Qwen3)."""
     from pai_cookbook.core.config import PrecisionConfig
 
     data = DataConfig(seq_length=48, micro_batch_size=3, global_batch_size=3)
     configs = [tiny_run("llama", data=data), tiny_run("llama", data=data, precision=PrecisionConfig(dtype="bf16")),
                tiny_run("llama", data=data, model_overrides={"ffn_hidden_size": 100}),
-               tiny_run("qwen2", data=data), tiny_run("qwen3_moe", data=data), tiny_run("mistral", data=data)]
+               tiny_run("qwen2", data=data), tiny_run("qwen3_moe", data=data), tiny_run("mistral", data=data),
+               tiny_run("qwen3", data=data)]
     runs = run_scenario.layouts(configs, nproc=1, scenario="training_ops")
-    assert [r["family"] for r in runs] == ["llama", "llama", "llama", "qwen2", "qwen3_moe", "mistral"]
+    assert [r["family"] for r in runs] == ["llama", "llama", "llama", "qwen2", "qwen3_moe", "mistral", "qwen3"]
     for run in runs:
         assert run["loss_equal"] and run["grads_equal"], run
         # each path ran: two layers' queries and keys rotated by Megatron-Core only when asked; dense SwiGLU by ours

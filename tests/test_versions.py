@@ -98,3 +98,46 @@ def test_a_checkpoint_moves_between_megatron_core_releases_both_ways(family, tmp
     backward = (_logits(mine["other"]) - _logits(theirs["own"])).abs().max().item()
     print(f"{family}: {mine['version']} -> {theirs['version']}: {forward:.2e}; back: {backward:.2e}")
     assert forward <= LOGIT_BOUND and backward <= LOGIT_BOUND, (forward, backward)
+
+
+# A training run on one end, resumed on the other (same layout: a resume at another layout is refused by design).
+TRAIN = """
+import json, sys
+from pai_cookbook import train
+from pai_cookbook.core import families, versions
+from pai_cookbook.core.config import CheckpointConfig, DataConfig, OptimizerConfig, RunConfig
+a = json.loads(sys.argv[1])
+config = RunConfig(model=families.tiny("llama"), train_iters=a["iters"],
+                   data=DataConfig(seq_length=16, micro_batch_size=2, global_batch_size=4),
+                   optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=1),
+                   checkpoint=CheckpointConfig(save_dir=a["save_dir"], save_interval=2))
+r = train.run(config, run_dir=a["run_dir"], show_progress=False, echo=False)
+print("@@rows " + json.dumps({"version": str(versions.megatron_core_version()), "losses": r["losses"],
+                               "first_step": r["first_step"]}))
+"""
+
+
+def _train(python, save_dir, iters, run_dir) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    done = subprocess.run([str(python), "-W", "ignore", "-c", TRAIN, json.dumps(
+        {"save_dir": str(save_dir), "iters": iters, "run_dir": str(run_dir)})], capture_output=True, text=True,
+        timeout=600, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("@@rows ")).removeprefix("@@rows "))
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(_other_python() is None, reason="the other end's environment is not set up: bash ci/setup_env.sh "
+                    "0.16 (this end 0.19) or bash ci/setup_env.sh (this end 0.16); CI sets up both")
+def test_a_training_run_resumes_on_the_other_release_both_ways(tmp_path):
+    """2 steps on one release, resumed to 4 on the other, give the losses of 4 steps straight on the release that
+    resumed: model, optimizer state and learning-rate schedule all carry over."""
+    ends = {"here": sys.executable, "there": _other_python()}
+    for first, then in (("there", "here"), ("here", "there")):
+        started = _train(ends[first], tmp_path / f"{first}-{then}", 2, tmp_path / f"runs/{first}-{then}-1")
+        resumed = _train(ends[then], tmp_path / f"{first}-{then}", 4, tmp_path / f"runs/{first}-{then}-2")
+        straight = _train(ends[then], tmp_path / f"{then}-straight", 4, tmp_path / f"runs/{then}-straight")
+        assert started["version"] != resumed["version"] and resumed["first_step"] == 2, (started, resumed)
+        assert resumed["losses"] == pytest.approx(straight["losses"][2:], abs=1e-5), (first, then, resumed, straight)
+        print(f"{started['version']} -> {resumed['version']}: steps 3-4 {resumed['losses']} (straight: "
+              f"{straight['losses'][2:]})")

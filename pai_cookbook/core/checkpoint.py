@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import inputs, tokenizer
+from pai_cookbook.core import checkpoint_format, inputs, tokenizer
 from pai_cookbook.core.config import ModelConfig
 
 CONFIG_FILE = "pai_cookbook.json"
@@ -162,7 +162,7 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
         raise said from err
     torch.distributed.barrier()
     if rank0:
-        _common_state_for_older_releases(partial)
+        checkpoint_format.common_state_where_older_releases_read_it(partial)
         write_config(partial, model, dtype, **provenance)
         for folder in [assets] if isinstance(assets, Path) else assets or []:
             if folder.exists():
@@ -170,22 +170,6 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
         publish(partial, out)
     torch.distributed.barrier()
     return Path(out)
-
-
-def _common_state_for_older_releases(folder: Path) -> None:
-    """Where this Megatron-Core keeps the common state inside the torch_dist files (`versions.common_state_in_shards`),
-    also write it as `common.pt` and name that backend in metadata.json, as 0.16 writes and reads a checkpoint: a
-    checkpoint saved on 0.19 then loads on 0.16 (tests/test_versions.py), and 0.19 reads the same state from either."""
-    from pai_cookbook.core import versions
-
-    if not versions.common_state_in_shards():
-        return
-    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
-    torch.save(load_common_state_dict(str(folder)), folder / "common.pt")
-    metadata = folder / "metadata.json"
-    config = json.loads(metadata.read_text())
-    metadata.write_text(json.dumps(config | {"common_backend": "torch", "common_backend_version": 1}))
 
 
 DISK_FULL_BYTES = 64 * 2**20
@@ -370,47 +354,6 @@ def _fill_adam_state(inner) -> None:
             group["lr"] = rate
 
 
-_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
-"""A parameter group's schedule, which Megatron-Core 0.19 on also matches saved groups to current ones by."""
-
-
-def _schedule_asked_for(current: list[dict], saved: dict) -> None:
-    """Give each saved parameter group (every "param_groups" list in the optimizer's `saved` state, whatever the
-    optimizer's nesting) the schedule of the current group it restores, in place.
-
-    A resumed run trains on the schedule asked for (`override_opt_param_scheduler`, `workers.training.build`). From
-    0.19 on, Megatron-Core pairs saved and current groups by a tuple that includes the schedule
-    (`param_group_identifier_keys`), so a run resumed with another learning rate, or from a 0.16 checkpoint, whose
-    groups carry no schedule, would find no group ("Could not find parameter group with key"). Pairing by the other
-    keys (weight-decay and learning-rate multipliers, expert-parallel, decoupled) and taking the schedule from the
-    current group is what the override does anyway; before 0.19 the tuple holds no schedule key and nothing changes."""
-    from megatron.core.optimizer import optimizer as megatron_optimizer
-
-    identifiers = tuple(megatron_optimizer.param_group_identifier_keys)
-    schedule = [key for key in _SCHEDULE_KEYS if key in identifiers]
-    if not schedule:
-        return
-    others = [key for key in identifiers if key not in schedule]
-
-    def identity(group: dict) -> tuple:
-        return tuple(group.get(key, group.get(f"pre_{key}")) for key in others)
-
-    by_identity = {identity(group): group for group in current}
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "param_groups" and isinstance(value, list):
-                    for group in value:
-                        asked = by_identity.get(identity(group))
-                        if asked is not None:
-                            group.update({k: asked[k] for k in schedule if k in asked})
-                else:
-                    walk(value)
-
-    walk(saved)
-
-
 def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
     """Restore model, optimizer, LR schedule and RNG from a training checkpoint; returns its step."""
     from megatron.core import dist_checkpointing
@@ -428,7 +371,7 @@ def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
             chunk.load_state_dict(state[f"model{i}"])
     # one state per chained optimizer, in the order ChainedOptimizer.load_state_dict gives them out
     saved_states = [state["optimizer"]] if len(chained) == 1 else [v for _, v in sorted(state["optimizer"].items())]
-    _schedule_asked_for([g for inner in chained for g in inner.optimizer.param_groups], state["optimizer"])
+    checkpoint_format.schedule_asked_for([g for inner in chained for g in inner.optimizer.param_groups], state["optimizer"])
     with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the fp32 weights
         optimizer.load_state_dict(state["optimizer"])
     for inner, saved in zip(chained, saved_states, strict=True):

@@ -202,7 +202,7 @@ def _patch_alltoall_split_sizes() -> None:
         return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
 
     def forward_with_lists(ctx, group, input, output_split_sizes, input_split_sizes, *rest):
-        # gloo's all_to_all_single takes Python lists of sizes (NCCL tolerates tensors). `rest`: 0.17+ adds
+        # gloo's all_to_all_single takes Python lists of sizes (NCCL tolerates tensors). `rest`: 0.18 on adds
         # `use_nccl_stream`.
         return forward(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes), *rest)
 

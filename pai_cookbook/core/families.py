@@ -6,8 +6,8 @@ family's own transformers config class, so `save_pretrained` output loads with `
 What Megatron-Core cannot express (other rotary scalings, biases on every attention projection)
 is refused with a message, never approximated.
 
-Supported: Llama 2/3 (MHA and GQA), Qwen2/Qwen2.5, Mistral, Mixtral, Qwen2-MoE (shared expert with
-gate), Qwen3-MoE (QK norm).
+Supported: Llama 2/3 (MHA and GQA), Qwen2/Qwen2.5, Qwen3 (QK norm, a head width of its own), Mistral, Mixtral,
+Qwen2-MoE (shared expert with gate), Qwen3-MoE (QK norm).
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ def _dense_read(hf: Any) -> dict[str, Any]:
     if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
         raise ConfigError(f"{hf.model_type}: attention_bias/mlp_bias=True (bias on every projection) is not "
                           f"supported by the cookbook's Megatron-Core mapping; only QKV bias is (Qwen2).")
+    return {}
+
+
+def _no_sliding_window(hf: Any) -> dict[str, Any]:
+    if getattr(hf, "use_sliding_window", False):
+        raise ConfigError(f"{hf.model_type}: use_sliding_window=True (sliding-window attention on layers from "
+                          f"max_window_layers={getattr(hf, 'max_window_layers', None)}) is not supported; every released "
+                          f"Qwen3 checkpoint has it off. Set it to false in config.json if this one does not use it.")
     return {}
 
 
@@ -92,6 +100,14 @@ FAMILIES: dict[str, Family] = {
         read=lambda hf: {"add_qkv_bias": True},
         write=lambda m: {},
         tiny={"tie_word_embeddings": True},
+    ),
+    "qwen3": Family(
+        "qwen3", "Qwen3ForCausalLM",
+        # Qwen3: RMSNorm on each head's queries and keys; head_dim set apart from hidden / heads (Qwen3-32B: 5,120 /
+        # 64 heads = 80, head_dim 128), so the tiny model's is odd too (24 against 64 / 4 = 16).
+        read=lambda hf: _no_sliding_window(hf) | _dense_read(hf) | {"qk_layernorm": True},
+        write=lambda m: {"use_sliding_window": False},
+        tiny={"head_dim": 24},
     ),
     "mixtral": Family(
         "mixtral", "MixtralForCausalLM",

@@ -1,7 +1,7 @@
 """Editing a Megatron-Core module spec in place: what the layer choices (`core.layer_spec`) and the CPU converters
 (`pai_cookbook.cpu`) share, below both of them.
 
-A spec is a tree of `ModuleSpec`s, submodules dataclasses, lists and classes; from Megatron-Core 0.17 on some of its
+A spec is a tree of `ModuleSpec`s, submodules dataclasses, lists and classes; from Megatron-Core 0.18 on some of its
 nodes are builders instead, `functools.partial(SomeClass, submodules=...)` or `partial(SomeClass.as_mlp_submodule,
 ...)` (the MLP and MoE layers, the experts). `swap_classes` walks every form, so the cookbook's swaps read the same on
 each release (docs/megatron-core-on-cpu.md, "per release").

@@ -60,9 +60,9 @@ def check(megatron_core: str | None = None, torch: str | None = None) -> None:
 
 def common_state_in_shards(version: Version | str | None = None) -> bool:
     """Whether Megatron-Core's `dist_checkpointing.save` keeps a checkpoint's common (non-sharded) state inside the
-    torch_dist files (0.17 on) rather than in `common.pt` beside them (0.16, which can read only that). The
+    torch_dist files (0.19 on) rather than in `common.pt` beside them (0.16 to 0.18, which read only that). The
     cookbook's saves write `common.pt` too where this holds (`core.checkpoint`), so 0.16 loads what 0.19 saved."""
-    return minor(version) >= (0, 17)
+    return minor(version) >= (0, 19)
 
 
 def inference_wrapper_takes_config(version: Version | str | None = None) -> bool:
