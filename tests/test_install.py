@@ -85,7 +85,6 @@ def test_install_keeps_the_torch_and_megatron_core_a_gpu_image_has(tmp_path):
 
 def test_the_range_checked_at_import_is_the_one_pyproject_declares():
     import tomllib
-
     from packaging.requirements import Requirement
 
     from pai_cookbook.core import versions
