@@ -5,8 +5,8 @@
 #   WHEELS=/path/to/wheels bash ci/gpu.sh   # a machine that cannot download: pip takes everything from there
 #   PYTHON=/path/to/python bash ci/gpu.sh   # default: python3
 #
-# 1. installs the cookbook into that Python without replacing its torch (a constraint pins the installed
-#    version; pip refuses rather than swap it) and prints the versions it runs on;
+# 1. installs the cookbook into that Python without replacing its torch or its Megatron-Core (0.16.1 to 0.19.x;
+#    a constraint pins the installed versions; pip refuses rather than swap them) and prints the versions it runs on;
 # 2. runs `pytest -m gpu` (tests/test_gpu.py); the figures go to OUT/gpu_results.json, pass/fail to
 #    OUT/gpu_junit.xml; then the training and generation benchmarks on the GPU (OUT/benchmark_*.txt);
 # 3. executes the notebooks on the GPUs: 03 in bf16, data parallel over every GPU; 04 in bf16 around the FP8
@@ -29,6 +29,18 @@ fi
 torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__)')
 constraint="$out/keep-torch.txt"
 echo "torch==$torch_version" > "$constraint"
+# The image's Megatron-Core too, when it has one inside the cookbook's range (pip keeps it anyway; the pin makes pip
+# stop rather than swap it, as for torch). One outside the range is left to pip, which replaces it.
+mcore_version=$("$PYTHON" -c '
+import importlib.util
+spec = importlib.util.spec_from_file_location("versions", "pai_cookbook/core/versions.py")  # the range, not the package
+versions = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(versions)
+v = versions.megatron_core_version()
+print(v if v is not None and versions.MEGATRON_CORE.contains(v, prereleases=True) else "")' 2>/dev/null || true)
+if [ -n "$mcore_version" ]; then
+  echo "megatron-core==$mcore_version" >> "$constraint"
+fi
 source_args=()
 if [ -n "${WHEELS:-}" ]; then
   source_args=(--no-index --find-links "$WHEELS")

@@ -6,8 +6,8 @@
 # Two ends of the supported Megatron-Core range (core/versions.py): everything runs on the default environment,
 # .venv (Megatron-Core 0.19 on Python 3.12); the second tier, the tests marked `both_ends` (the compatibility layer's
 # patches and the paths that break first on a new release), runs again on .venv-mcore016 (0.16 on Python 3.11), after
-# the tests' session; tests/test_versions.py moves checkpoints between the two. `--mcore 0.16 ARGS` runs one session
-# with ARGS on 0.16.
+# the tests' session; then the tests marked `releases` (tests/test_versions.py) move checkpoints and runs between the
+# two. `--mcore 0.16 ARGS` runs one session with ARGS on 0.16.
 #
 # With no arguments the notebooks (with the real-model tests, minutes each too) and the other tiers run as
 # two pytest sessions side by side: most of a test's time is a worker's start (a fresh Python importing torch,
@@ -20,11 +20,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash ci/setup_env.sh
-bash ci/setup_env.sh 0.16
 venv=.venv
 if [ "${1:-}" = "--mcore" ]; then
   case "${2:-}" in
-    0.16) venv=.venv-mcore016 ;;
+    0.16) venv=.venv-mcore016; bash ci/setup_env.sh 0.16 ;;
     0.19) venv=.venv ;;
     *) echo "test.sh: --mcore takes 0.19 (the default) or 0.16; got '${2:-}'" >&2; exit 2 ;;
   esac
@@ -36,6 +35,7 @@ fi
 # carry their own, longer limit). --durations: where the CI budget (45 minutes on 2 cores) goes.
 PYTEST=("$venv/bin/python" -m pytest tests -q -rs --timeout 600 --durations=25)
 SECOND_TIER=(.venv-mcore016/bin/python -m pytest tests -q -rs --timeout 600 --durations=10 -m "both_ends and not notebook")
+RELEASES=("$venv/bin/python" -m pytest tests -q -rs --timeout 900 --durations=5 -m releases)
 
 check_collected() {  # pytest's 5: it collected no tests, so the suite is broken
   if [ "$1" -eq 5 ]; then
@@ -60,17 +60,33 @@ trap 'kill 0 2>/dev/null; rm -rf "$work"' INT TERM
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "${PYTEST[@]}" -m "(notebook or real_model) and not real_notebook" --basetemp "$work/notebooks" > "$work/notebooks.log" 2>&1 &
 notebooks=$!
-"${PYTEST[@]}" -m "not notebook and not real_model" --basetemp "$work/tests"
+# The 0.16 environment is set up beside the tests' session (pip, mostly waiting on the disk), not before it: the
+# second tier and the tests that move checkpoints between the releases need it only after that session.
+bash ci/setup_env.sh 0.16 > "$work/setup016.log" 2>&1 &
+setup016=$!
+"${PYTEST[@]}" -m "not notebook and not real_model and not releases" --basetemp "$work/tests"
 tests_status=$?
+wait "$setup016"
+setup016_status=$?
+cat "$work/setup016.log"
 echo "================ the second tier: Megatron-Core 0.16 on Python 3.11 (.venv-mcore016) ================"
-"${SECOND_TIER[@]}" --basetemp "$work/second"
-second_status=$?
+second_status=1
+releases_status=1
+if [ "$setup016_status" -eq 0 ]; then
+  "${SECOND_TIER[@]}" --basetemp "$work/second"
+  second_status=$?
+  echo "================ checkpoints and runs moved between Megatron-Core 0.16 and 0.19 ================"
+  "${RELEASES[@]}" --basetemp "$work/releases"
+  releases_status=$?
+fi
 wait "$notebooks"
 notebooks_status=$?
 echo "================ notebooks and the real model (the second pytest session) ================"
 cat "$work/notebooks.log"
 rm -rf "$work"
 check_collected "$tests_status" "-m 'not notebook and not real_model'" || exit $?
+[ "$setup016_status" -eq 0 ] || { echo "test.sh: bash ci/setup_env.sh 0.16 failed (its log is above)" >&2; exit 1; }
 check_collected "$second_status" "-m both_ends on Megatron-Core 0.16" || exit $?
+check_collected "$releases_status" "-m releases" || exit $?
 check_collected "$notebooks_status" "-m '(notebook or real_model) and not real_notebook'" || exit $?
 exit 0

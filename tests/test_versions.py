@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from pai_cookbook.core import versions
 
+pytestmark = [pytest.mark.releases, pytest.mark.multiproc]
 ROOT = Path(__file__).resolve().parent.parent
 # The other end's environment, by the release this process runs (ci/setup_env.sh's folders).
 OTHER_VENV = {(0, 16): ROOT / ".venv", (0, 19): ROOT / ".venv-mcore016"}
