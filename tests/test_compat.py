@@ -11,7 +11,7 @@ from pai_cookbook.core.config import MemoryConfig, ParallelConfig, PrecisionConf
 from pai_cookbook.core.launch import WorkerError
 from tests.conftest import tiny_run
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.both_ends,
+pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(torch.cuda.is_available(), reason="the compatibility layer is a no-op on CUDA")]
 
 TP2 = ParallelConfig(tensor_model_parallel_size=2)
@@ -45,11 +45,13 @@ INSTALLED = versions.megatron_core_version()
 NEEDED = {p.name for p in compat.needed()}
 
 
+@pytest.mark.both_ends  # the second tier runs what each patch claims on 0.16 too (ci/test.sh)
 def test_every_patch_has_a_test():
     # gloo_p2p: below; inference_pipeline_tensors: tests/test_generate.py (generation at PP=2)
     assert set(BREAKS_WITHOUT) | {"gloo_p2p", "inference_pipeline_tensors"} == {p.name for p in compat.PATCHES}
 
 
+@pytest.mark.both_ends
 @pytest.mark.parametrize("patch", sorted(BREAKS_WITHOUT))
 def test_patch_is_needed(patch, run_scenario):
     """On the installed release, each patch it claims is needed: its scenario fails without it. CI runs this file
@@ -98,6 +100,7 @@ def test_moe_alltoall_with_expert_parallelism_trains(run_scenario):
     assert len(losses) == 2 and all(abs(x - 5.545) < 0.05 for x in losses)
 
 
+@pytest.mark.both_ends
 def test_gloo_p2p_interleaved_pipeline_matches_single_process(run_scenario):
     # The silent one: without the patch nothing raises, the loss is just wrong.
     four_layers = {"num_layers": 4}
@@ -142,6 +145,7 @@ def test_cuda_event_keeps_time_on_cpu():
     assert 50.0 <= float(out.stdout) < 5000.0  # milliseconds, like CUDA's elapsed_time
 
 
+@pytest.mark.both_ends
 @pytest.mark.parametrize("patch", sorted(set(BREAKS_WITHOUT) - NEEDED) or [None])
 def test_retired_patches_are_not_needed(patch, run_scenario):
     """A patch upstream made unnecessary is not applied on the releases after the fix, and its scenario runs there."""
@@ -152,6 +156,7 @@ def test_retired_patches_are_not_needed(patch, run_scenario):
     assert len(losses) == config.train_iters and abs(losses[0] - 5.545) < 0.05
 
 
+@pytest.mark.both_ends
 def test_patch_versions_cover_the_two_ends():
     # te_general_gemm: 0.17 binds the name to None without Transformer Engine (moe_utils); every other patch is
     # needed on both ends (test_patch_is_needed, run by CI on each)

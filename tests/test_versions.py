@@ -111,7 +111,7 @@ a = json.loads(sys.argv[1])
 config = RunConfig(model=families.tiny("llama"), train_iters=a["iters"],
                    data=DataConfig(seq_length=16, micro_batch_size=2, global_batch_size=4),
                    optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=1),
-                   checkpoint=CheckpointConfig(save_dir=a["save_dir"], save_interval=2))
+                   checkpoint=CheckpointConfig(save_dir=a["save_dir"], save_interval=2, keep_last=2))
 r = train.run(config, run_dir=a["run_dir"], show_progress=False, echo=False)
 print("@@rows " + json.dumps({"version": str(versions.megatron_core_version()), "losses": r["losses"],
                                "first_step": r["first_step"]}))
@@ -131,14 +131,22 @@ def _train(python, save_dir, iters, run_dir) -> dict:
 @pytest.mark.skipif(_other_python() is None, reason="the other end's environment is not set up: bash ci/setup_env.sh "
                     "0.16 (this end 0.19) or bash ci/setup_env.sh (this end 0.16); CI sets up both")
 def test_a_training_run_resumes_on_the_other_release_both_ways(tmp_path):
-    """2 steps on one release, resumed to 4 on the other, give the losses of 4 steps straight on the release that
-    resumed: model, optimizer state and learning-rate schedule all carry over."""
+    """4 steps on one release (saved at steps 2 and 4); its step-2 checkpoint resumed to 4 on the other release gives
+    the same losses: model, optimizer state and learning-rate schedule all carry over. Measured 2026-11-27: equal bit
+    for bit both ways; the bound is the fp32 parity bound of every layout check, as the releases may round apart."""
+    import shutil
+
+    from pai_cookbook.core import checkpoint
+
     ends = {"here": sys.executable, "there": _other_python()}
+    straight = {end: _train(python, tmp_path / f"{end}-straight", 4, tmp_path / f"runs/{end}-straight")
+                for end, python in ends.items()}
     for first, then in (("there", "here"), ("here", "there")):
-        started = _train(ends[first], tmp_path / f"{first}-{then}", 2, tmp_path / f"runs/{first}-{then}-1")
-        resumed = _train(ends[then], tmp_path / f"{first}-{then}", 4, tmp_path / f"runs/{first}-{then}-2")
-        straight = _train(ends[then], tmp_path / f"{then}-straight", 4, tmp_path / f"runs/{then}-straight")
-        assert started["version"] != resumed["version"] and resumed["first_step"] == 2, (started, resumed)
-        assert resumed["losses"] == pytest.approx(straight["losses"][2:], abs=1e-5), (first, then, resumed, straight)
-        print(f"{started['version']} -> {resumed['version']}: steps 3-4 {resumed['losses']} (straight: "
-              f"{straight['losses'][2:]})")
+        resume_dir = tmp_path / f"{first}-then-{then}"
+        step2 = checkpoint.iteration_dir(tmp_path / f"{first}-straight", 2)
+        shutil.copytree(step2, resume_dir / step2.name)
+        resumed = _train(ends[then], resume_dir, 4, tmp_path / f"runs/{first}-then-{then}")
+        assert straight[first]["version"] != resumed["version"] and resumed["first_step"] == 2, resumed
+        assert resumed["losses"] == pytest.approx(straight[first]["losses"][2:], abs=LOGIT_BOUND), (first, then)
+        print(f"{straight[first]['version']} -> {resumed['version']}: steps 3-4 {resumed['losses']} "
+              f"(straight on {straight[first]['version']}: {straight[first]['losses'][2:]})")
