@@ -6,8 +6,8 @@
 # Two ends of the supported Megatron-Core range (core/versions.py): everything runs on the default environment,
 # .venv (Megatron-Core 0.19 on Python 3.12); the second tier, the tests marked `both_ends` (the compatibility layer's
 # patches and the paths that break first on a new release), runs again on .venv-mcore016 (0.16 on Python 3.11), after
-# the tests' session; then the tests marked `releases` (tests/test_versions.py) move checkpoints and runs between the
-# two. `--mcore 0.16 ARGS` runs one session with ARGS on 0.16.
+# the tests' session; after the notebooks the tests marked `releases` (tests/test_versions.py) move checkpoints and
+# runs between the two. `--mcore 0.16 ARGS` runs one session with ARGS on 0.16.
 #
 # With no arguments the notebooks (with the real-model tests, minutes each too) and the other tiers run as
 # two pytest sessions side by side: most of a test's time is a worker's start (a fresh Python importing torch,
@@ -58,35 +58,42 @@ trap 'kill 0 2>/dev/null; rm -rf "$work"' INT TERM
 # oversubscribed OpenMP threads wait on each other at every parallel region. Measured: two copies of notebook 06
 # side by side took 257 s with 2 threads each and 97 s with 1 (the same losses); docs/megatron-core-on-cpu.md.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-"${PYTEST[@]}" -m "(notebook or real_model) and not real_notebook" --basetemp "$work/notebooks" > "$work/notebooks.log" 2>&1 &
-notebooks=$!
-# The 0.16 environment is set up beside the tests' session (pip, mostly waiting on the disk), not before it: the
-# second tier and the tests that move checkpoints between the releases need it only after that session.
-bash ci/setup_env.sh 0.16 > "$work/setup016.log" 2>&1 &
+# Two streams, about equal: the notebooks, then the tests that move checkpoints and runs between the releases; the
+# tests, then the second tier. The 0.16 environment is set up beside them (pip, mostly waiting on the disk): only the
+# streams' second halves need it.
+( bash ci/setup_env.sh 0.16 > "$work/setup016.log" 2>&1; echo $? > "$work/setup016.status" ) &
 setup016=$!
+(
+  "${PYTEST[@]}" -m "(notebook or real_model) and not real_notebook" --basetemp "$work/notebooks"
+  echo $? > "$work/notebooks.status"
+  while [ ! -f "$work/setup016.status" ]; do sleep 5; done
+  echo "================ checkpoints and runs moved between Megatron-Core 0.16 and 0.19 ================"
+  if [ "$(cat "$work/setup016.status")" -eq 0 ]; then
+    "${RELEASES[@]}" --basetemp "$work/releases"
+    echo $? > "$work/releases.status"
+  fi
+) > "$work/notebooks.log" 2>&1 &
+notebooks=$!
 "${PYTEST[@]}" -m "not notebook and not real_model and not releases" --basetemp "$work/tests"
 tests_status=$?
 wait "$setup016"
-setup016_status=$?
+setup016_status=$(cat "$work/setup016.status")
 cat "$work/setup016.log"
 echo "================ the second tier: Megatron-Core 0.16 on Python 3.11 (.venv-mcore016) ================"
 second_status=1
-releases_status=1
 if [ "$setup016_status" -eq 0 ]; then
   "${SECOND_TIER[@]}" --basetemp "$work/second"
   second_status=$?
-  echo "================ checkpoints and runs moved between Megatron-Core 0.16 and 0.19 ================"
-  "${RELEASES[@]}" --basetemp "$work/releases"
-  releases_status=$?
 fi
 wait "$notebooks"
-notebooks_status=$?
-echo "================ notebooks and the real model (the second pytest session) ================"
+notebooks_status=$(cat "$work/notebooks.status" 2>/dev/null || echo 1)
+releases_status=$(cat "$work/releases.status" 2>/dev/null || echo 1)
+echo "================ notebooks, the real model, then the release-crossing tests (the second stream) ================"
 cat "$work/notebooks.log"
 rm -rf "$work"
 check_collected "$tests_status" "-m 'not notebook and not real_model'" || exit $?
 [ "$setup016_status" -eq 0 ] || { echo "test.sh: bash ci/setup_env.sh 0.16 failed (its log is above)" >&2; exit 1; }
 check_collected "$second_status" "-m both_ends on Megatron-Core 0.16" || exit $?
-check_collected "$releases_status" "-m releases" || exit $?
 check_collected "$notebooks_status" "-m '(notebook or real_model) and not real_notebook'" || exit $?
+check_collected "$releases_status" "-m releases" || exit $?
 exit 0
