@@ -60,14 +60,19 @@ def _other_python() -> Path | None:
     return python if python.exists() else None
 
 
+def _run(python: str | Path, script: str, timeout: int, **args) -> dict:
+    """`script` in the Python `python` (one end's environment) with `args` as JSON; returns what it printed after
+    "@@rows "."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    done = subprocess.run([str(python), "-W", "ignore", "-c", script, json.dumps(args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("@@rows ")).removeprefix("@@rows "))
+
+
 def _end(python: str | Path, **args) -> dict:
     """One end's run, in the Python `python`; returns its rows (the figures and the logits files)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    done = subprocess.run([str(python), "-W", "ignore", "-c", END, json.dumps(args)], capture_output=True, text=True,
-                          timeout=900, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("@@rows "))
-    return json.loads(line.removeprefix("@@rows "))
+    return _run(python, END, 900, **args)
 
 
 def _logits(row: dict) -> torch.Tensor:
@@ -119,12 +124,7 @@ print("@@rows " + json.dumps({"version": str(versions.megatron_core_version()), 
 
 
 def _train(python, save_dir, iters, run_dir) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    done = subprocess.run([str(python), "-W", "ignore", "-c", TRAIN, json.dumps(
-        {"save_dir": str(save_dir), "iters": iters, "run_dir": str(run_dir)})], capture_output=True, text=True,
-        timeout=600, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("@@rows ")).removeprefix("@@rows "))
+    return _run(python, TRAIN, 600, save_dir=str(save_dir), iters=iters, run_dir=str(run_dir))
 
 
 @pytest.mark.multiproc

@@ -377,8 +377,7 @@ def apply(skip: tuple[str, ...] | None = None) -> list[str]:
     if torch.cuda.is_available():
         _applied = []
         return _applied
-    megatron_import.without_inductor()
-    versions.check()
+    megatron_import.without_inductor()  # the release was checked when pai_cookbook was imported (core.versions)
     if skip is None:
         skip = tuple(s for s in os.environ.get(SKIP_ENV, "").split(",") if s)
     unknown = set(skip) - {p.name for p in PATCHES}
