@@ -61,7 +61,7 @@ def compare_hf_checkpoints(a: str | Path, b: str | Path) -> dict[str, Any]:
 @nodes.node0_only
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, parallel: ParallelConfig | None = None,
                    overwrite: bool = False, require_tokenizer: bool = True, run_dir: str | Path | None = None,
-                   timeout_s: float | None = None) -> dict[str, Any]:
+                   timeout_s: float | None = None, drop_mtp: bool = False) -> dict[str, Any]:
     """Convert a Hugging Face model folder into a Megatron-Core torch_dist checkpoint at `out`.
 
     Args:
@@ -72,17 +72,20 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, parallel: ParallelCon
         require_tokenizer: refuse a folder without tokenizer files (its checkpoint could neither
             generate nor tokenize data); False converts the weights alone.
         timeout_s: stop the conversion (and leave `out` untouched) after this many seconds.
+        drop_mtp: convert a checkpoint that carries multi-token-prediction layers (DeepSeek-V3, GLM-4.5) without them;
+            by default such a checkpoint is refused, naming them.
     Returns:
         Worker figures: tensors written, dtype, seconds, peak RSS.
     """
-    source = inspect_hf(hf_dir)
+    source = inspect_hf(hf_dir, drop_mtp=drop_mtp)
     if require_tokenizer and not tokenizer.has_tokenizer(source.folder):
         raise ConfigError(f"{source.folder} has no tokenizer files (one of {list(tokenizer.VOCABULARY_FILES)}): a "
                           f"checkpoint converted from it could neither generate nor prepare data. Copy the model's "
                           f"tokenizer files into the folder, or pass require_tokenizer=False to convert the weights alone.")
     if parallel is not None:
         layout.check(source.model, parallel, purpose="load")
-    job = ConvertJob(direction="hf2mcore", src=str(source.folder.resolve()), dst="", model=source.model)
+    job = ConvertJob(direction="hf2mcore", src=str(source.folder.resolve()), dst="", model=source.model,
+                     drop_mtp=drop_mtp)
     return _write(job, Path(out), overwrite, run_dir, timeout_s)
 
 

@@ -20,14 +20,25 @@ from pai_cookbook.core.tokenizer import TOKENIZER_CORPUS  # noqa: F401  (the cor
 DEFAULT_SHARD_SIZE = "100KB"  # a tiny model still spans several shards: the sharded path is exercised
 
 
+# Buffers a checkpoint carries as weights (DeepSeek-V3's router bias, which transformers initialises to zeros), and
+# their spread: a few hundredths, as large as the differences between a tiny router's sigmoid scores, so the bias
+# changes which experts are chosen.
+_WEIGHT_BUFFERS = {"e_score_correction_bias": 0.05}
+
+
 def randomise_(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Give every parameter distinct random values (norm weights around 1, everything else around 0)."""
+    """Give every parameter distinct random values (norm weights around 1, everything else around 0), and the buffers a
+    checkpoint stores as weights too (`_WEIGHT_BUFFERS`)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
             base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
             param.copy_((base + noise).to(param.dtype))
+        for name, buffer in model.named_buffers():
+            spread = _WEIGHT_BUFFERS.get(name.rsplit(".", 1)[-1])
+            if spread is not None:
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * spread)
 
 
 @nodes.node0_only

@@ -13,7 +13,7 @@ from pai_cookbook.core import checkpoint, families, layout
 from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.tiny_models import make_tiny_hf_model
 
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
+MOE = {f for f in families.supported() if families.tiny(f).is_moe}
 # (TP, PP, EP): the TP x PP grid for every family; EP=2 (alone and with TP=2) for the MoE families.
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
 MOE_LAYOUTS = [(1, 1, 2), (2, 1, 2)]
@@ -264,3 +264,26 @@ def test_a_weight_holding_nan_or_inf_is_refused_by_name_in_both_directions(tmp_p
     with pytest.raises(NonFiniteWeights, match=r"decoder.final_layernorm.weight in .* holds 1 NaN and 0 Inf"):
         convert.megatron_to_hf(out, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_multi_token_prediction_layers_are_refused_by_name_or_dropped_when_asked(tmp_path, converted):
+    """A DeepSeek-V3 download carries its multi-token-prediction module as one more layer (model.layers.61 after 61):
+    refused by name, or converted without it with drop_mtp=True (the source untouched, the model alone exported)."""
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "with-mtp"
+    shutil.copytree(converted["deepseek_v3"][0], hf)
+    h = 64
+    mtp = {"model.layers.2.eh_proj.weight": torch.randn(h, 2 * h), "model.layers.2.enorm.weight": torch.ones(h),
+           "model.layers.2.hnorm.weight": torch.ones(h), "model.layers.2.shared_head.norm.weight": torch.ones(h)}
+    save_file(mtp, hf / "model-mtp.safetensors", metadata={"format": "pt"})
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"] |= {name: "model-mtp.safetensors" for name in mtp}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"4 tensors of 1 multi-token-prediction layer\(s\) after the model's 2 "
+                                          r"\(model.layers.2.\*: eh_proj, enorm, hnorm, shared_head\).*drop_mtp=True"):
+        convert.hf_to_megatron(hf, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    convert.hf_to_megatron(hf, tmp_path / "ckpt", drop_mtp=True)
+    convert.megatron_to_hf(tmp_path / "ckpt", tmp_path / "back")
+    assert convert.compare_hf_checkpoints(converted["deepseek_v3"][0], tmp_path / "back")["bitwise_identical"]

@@ -57,7 +57,7 @@ def test_qwen2_moe_sparse_step_maps_to_a_layer_pattern():
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"model_type": "gpt2"}, r"unsupported architecture: model_type='gpt2'.*supports \['llama', 'mistral'"),
+    ({"model_type": "gpt2"}, r"unsupported architecture: model_type='gpt2'.*supports \['deepseek_v3', 'glm4_moe', 'llama'"),
 ])
 def test_unknown_architecture_lists_supported(bad, message):
     with pytest.raises(ConfigError, match=message):
@@ -75,6 +75,47 @@ def test_unknown_architecture_lists_supported(bad, message):
 def test_features_megatron_lacks_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         families.from_hf(families.tiny_hf_config("llama", **overrides))
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("deepseek_v3", {"rope_interleave": False}, r"rope_interleave=False; Megatron-Core's multi-latent attention"),
+    ("deepseek_v3", {"rms_norm_eps": 1e-5}, r"rms_norm_eps=1e-05; transformers builds the latent norms with 1e-06"),
+    ("deepseek_v3", {"num_experts_per_tok": 2}, r"num_experts_per_tok=2 and topk_group=2; .* best 2 experts"),
+    ("deepseek_v3", {"norm_topk_prob": False}, r"norm_topk_prob=False; Megatron-Core's sigmoid router always"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     r"quantized \(fp8, .*Dequantize it to bf16 first"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "attention_factor": 1.2,
+                                         "original_max_position_embeddings": 64}},
+     r"yarn rotary scaling with \{'attention_factor': 1.2\} has no Megatron-Core equivalent"),
+    ("glm4_moe", {"norm_topk_prob": False}, r"glm4_moe: norm_topk_prob=False"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                   "original_max_position_embeddings": 32768}},
+     r"rope_type='yarn' is not supported; .*'yarn' for \['deepseek_v3'\]"),
+])
+def test_what_the_2026_families_do_that_megatron_core_cannot_is_refused(family, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        families.from_hf(families.tiny_hf_config(family, **overrides))
+
+
+def test_deepseek_v3_reads_as_released(tmp_path):
+    """DeepSeek-V3's config.json as published (legacy rope_scaling, 61 layers of which 3 dense, 256 experts in 8
+    groups): YaRN x40 over 4,096 positions with its attention scale, no rotary aliasing refused at 163,840."""
+    released = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
+                "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+                "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+                "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+                "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 163840,
+                "rms_norm_eps": 1e-6, "rope_theta": 10000, "vocab_size": 129280, "hidden_act": "silu",
+                "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                 "original_max_position_embeddings": 4096, "type": "yarn"}}
+    (tmp_path / "config.json").write_text(json.dumps(released))
+    model = families.from_hf(tmp_path)
+    assert model.multi_latent_attention and model.kv_channels == 192 and model.v_head_dim == 128
+    assert model.yarn == {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                          "mscale": 1.0, "mscale_all_dim": 1.0}
+    assert model.moe_layer_freq == [0] * 3 + [1] * 58 and model.moe_shared_expert_intermediate_size == 2048
+    assert (model.moe_router_num_groups, model.moe_router_group_topk, model.moe_router_topk_scaling_factor) == (8, 4, 2.5)
 
 
 def test_missing_config_json_is_explained(tmp_path):

@@ -158,19 +158,45 @@ def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scena
         assert [v for _, v in other["valid_losses"]] == pytest.approx([v for _, v in reference["valid_losses"]], abs=1e-4)
 
 
+# The 2026 families' layouts: Qwen3's query and key norms over heads 24 wide where hidden / heads is 16 (a split that
+# assumed hidden / heads would cut the QKV weight in the wrong places); DeepSeek-V3's latents (its down projections
+# split over TP and gathered: `core.attention.LatentSelfAttention`, without which TP=2 drifted 1e-5 from one process
+# by step 3), value heads narrower than query heads, grouped sigmoid routing whose expert bias moves every step, and a
+# shared expert, at TP=2 with sequence parallelism (an MoE model needs it at TP > 1) and at EP=2; GLM-4.5's half-rotating
+# heads with q/k/v biases and q/k norms, and the same router, likewise.
+NEW_FAMILY_LAYOUTS = {
+    "qwen3": [ParallelConfig(tensor_model_parallel_size=2),
+              ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)],
+    "deepseek_v3": [ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+                    ParallelConfig(expert_model_parallel_size=2)],
+    "glm4_moe": [ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+                 ParallelConfig(expert_model_parallel_size=2)],
+}
+
+
 @pytest.mark.multiproc
-def test_qwen3_trains_at_tp2_as_one_process_does(run_scenario):
-    """Qwen3 (dense): query and key norms over heads 24 wide where hidden / heads is 16, so a split that assumed
-    hidden / heads would cut the QKV weight in the wrong places; 5 steps at TP=2 (and TP=2 with sequence parallelism)
-    give one process's losses."""
+@pytest.mark.parametrize("family", sorted(NEW_FAMILY_LAYOUTS))
+def test_new_families_train_at_tp2_as_one_process_does(family, run_scenario):
+    """5 steps at each layout of `NEW_FAMILY_LAYOUTS` give one process's losses (1e-5)."""
     def config(parallel):
-        return tiny_run("qwen3", parallel=parallel, train_iters=5)
+        return tiny_run(family, parallel=parallel, train_iters=5)
 
     reference = run_scenario(config(ParallelConfig()), 1)["losses"]
-    runs = run_scenario.layouts([config(ParallelConfig(tensor_model_parallel_size=2)),
-                                 config(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))], 2)
-    for run in runs:
-        assert run["losses"] == pytest.approx(reference, abs=1e-5)
+    runs = run_scenario.layouts([config(parallel) for parallel in NEW_FAMILY_LAYOUTS[family]], 2)
+    for parallel, run in zip(NEW_FAMILY_LAYOUTS[family], runs):
+        assert run["losses"] == pytest.approx(reference, abs=1e-5), parallel
+
+
+@pytest.mark.multiproc
+def test_dense_latent_attention_trains_at_tp2_as_one_process_does(run_scenario):
+    """DeepSeek-V3's attention with dense MLPs at TP=2 without sequence parallelism, where `LatentSelfAttention` sums
+    the rotary key's gradient over TP itself (with sequence parallelism upstream's gather over the sequence does)."""
+    dense = {"num_experts": None, "moe_shared_expert_intermediate_size": None, "moe_router_num_groups": None,
+             "moe_router_group_topk": None, "moe_router_enable_expert_bias": False}
+    reference = run_scenario(tiny_run("deepseek_v3", model_overrides=dense, train_iters=5), 1)["losses"]
+    run = run_scenario(tiny_run("deepseek_v3", model_overrides=dense, train_iters=5,
+                                parallel=ParallelConfig(tensor_model_parallel_size=2)), 2)["losses"]
+    assert run == pytest.approx(reference, abs=1e-5)
 
 
 def test_moe_training_at_tp_without_sequence_parallelism_is_refused_before_launch(tmp_path):

@@ -7,7 +7,9 @@ What Megatron-Core cannot express (other rotary scalings, biases on every attent
 is refused with a message, never approximated.
 
 Supported: Llama 2/3 (MHA and GQA), Qwen2/Qwen2.5, Qwen3 (QK norm, a head width of its own), Mistral, Mixtral,
-Qwen2-MoE (shared expert with gate), Qwen3-MoE (QK norm).
+Qwen2-MoE (shared expert with gate), Qwen3-MoE (QK norm), DeepSeek-V3 (multi-latent attention, YaRN, grouped
+sigmoid routing with an expert bias, a shared expert, dense first layers; its multi-token-prediction layer is refused
+by name: `core.hf_checkpoint`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import inputs
+from pai_cookbook.core import family_fields, inputs
 from pai_cookbook.core.config import ConfigError, ModelConfig
-
-# Megatron-Core's Llama 3 rotary scaling has these constants built in (rotary_pos_embedding._apply_scaling).
-MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @dataclass(frozen=True)
@@ -41,56 +40,11 @@ class Family:
     """Extra transformers kwargs for the family's tiny test model."""
 
 
-def _dense_read(hf: Any) -> dict[str, Any]:
-    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
-        raise ConfigError(f"{hf.model_type}: attention_bias/mlp_bias=True (bias on every projection) is not "
-                          f"supported by the cookbook's Megatron-Core mapping; only QKV bias is (Qwen2).")
-    return {}
-
-
-def _no_sliding_window(hf: Any) -> dict[str, Any]:
-    if getattr(hf, "use_sliding_window", False):
-        raise ConfigError(f"{hf.model_type}: use_sliding_window=True (sliding-window attention on layers from "
-                          f"max_window_layers={getattr(hf, 'max_window_layers', None)}) is not supported; every released "
-                          f"Qwen3 checkpoint has it off. Set it to false in config.json if this one does not use it.")
-    return {}
-
-
-def _rotary(hf: Any) -> dict[str, Any]:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", "default")
-    out = {"rotary_base": float(params.get("rope_theta", 10000.0))}
-    if rope_type == "default":
-        return out
-    if rope_type == "llama3":
-        mismatched = {k: params.get(k) for k, v in MCORE_LLAMA3_ROPE.items() if float(params.get(k, v)) != v}
-        if mismatched:
-            raise ConfigError(f"llama3 rotary scaling with {mismatched} differs from Megatron-Core's built-in "
-                              f"{MCORE_LLAMA3_ROPE}; this checkpoint's positions cannot be reproduced exactly.")
-        return out | {"rope_scaling_factor": float(params["factor"])}
-    raise ConfigError(f"rotary scaling rope_type={rope_type!r} is not supported; supported: 'default', 'llama3'.")
-
-
-def _moe_layers(hf: Any) -> int | list[int]:
-    """HF places MoE at layers with (i+1) % decoder_sparse_step == 0, minus mlp_only_layers."""
-    step = getattr(hf, "decoder_sparse_step", 1) or 1
-    dense_only = set(getattr(hf, "mlp_only_layers", None) or [])
-    pattern = [int((i + 1) % step == 0 and i not in dense_only) for i in range(hf.num_hidden_layers)]
-    return 1 if all(pattern) else pattern
-
-
-def _moe_layers_hf(model: ModelConfig) -> dict[str, Any]:
-    freq = model.moe_layer_freq
-    pattern = [1] * model.num_layers if freq == 1 else (
-        freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(model.num_layers)])
-    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe]}
-
-
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", "LlamaForCausalLM", read=_dense_read, write=lambda m: {}),
+    "llama": Family("llama", "LlamaForCausalLM", read=family_fields.dense_read, write=lambda m: {}),
     "mistral": Family(
         "mistral", "MistralForCausalLM",
-        read=lambda hf: _dense_read(hf) | {"sliding_window": getattr(hf, "sliding_window", None)},
+        read=lambda hf: family_fields.dense_read(hf) | {"sliding_window": getattr(hf, "sliding_window", None)},
         write=lambda m: {"sliding_window": m.sliding_window},
         tiny={"sliding_window": 64},
     ),
@@ -105,9 +59,34 @@ FAMILIES: dict[str, Family] = {
         "qwen3", "Qwen3ForCausalLM",
         # Qwen3: RMSNorm on each head's queries and keys; head_dim set apart from hidden / heads (Qwen3-32B: 5,120 /
         # 64 heads = 80, head_dim 128), so the tiny model's is odd too (24 against 64 / 4 = 16).
-        read=lambda hf: _no_sliding_window(hf) | _dense_read(hf) | {"qk_layernorm": True},
+        read=lambda hf: family_fields.no_sliding_window(hf) | family_fields.dense_read(hf) | {"qk_layernorm": True},
         write=lambda m: {"use_sliding_window": False},
         tiny={"head_dim": 24},
+    ),
+    "deepseek_v3": Family(
+        "deepseek_v3", "DeepseekV3ForCausalLM", read=family_fields.deepseek_v3_read, write=family_fields.deepseek_v3_write,
+        # DeepSeek-V3's shapes, shrunk and made uneven: value heads (20) narrower than query/key heads (24 + 16), a
+        # query latent (48) apart from the key/value latent (32), 16 experts in 4 groups of which a token may use 2
+        # (its top 4 within them; DeepSeek-V3: top 8 within 4 of 8 groups of 32), a shared expert, the first layer
+        # dense, routed weights x 2.5, and YaRN (x4 over 64 positions) with its attention scale, as DeepSeek-V3's 128k
+        # context has (x40 over 4,096).
+        tiny={"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 24,
+              "qk_rope_head_dim": 16, "v_head_dim": 20, "n_routed_experts": 16, "num_experts_per_tok": 4,
+              "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+              "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "mscale": 1.0, "mscale_all_dim": 1.0}},
+    ),
+    "glm4_moe": Family(
+        "glm4_moe", "Glm4MoeForCausalLM", read=family_fields.glm4_moe_read, write=family_fields.glm4_moe_write,
+        # GLM-4.5's shapes, shrunk: heads 24 wide (GLM-4.5: 128 where hidden / heads is 53), half of each rotating,
+        # biases on q, k and v, per-head q/k norms (GLM-4.5-Air has them off), the first layer dense, and DeepSeek-V3's
+        # router: 8 experts in one group (as GLM-4.5), top-2, an expert bias, routed weights x 2.5, a shared expert.
+        tiny={"head_dim": 24, "attention_bias": True, "use_qk_norm": True, "n_routed_experts": 8,
+              "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32,
+              "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     ),
     "mixtral": Family(
         "mixtral", "MixtralForCausalLM",
@@ -126,29 +105,29 @@ FAMILIES: dict[str, Family] = {
             "moe_ffn_hidden_size": hf.moe_intermediate_size,
             "moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size,
             "moe_shared_expert_gate": True, "moe_router_pre_softmax": not hf.norm_topk_prob,
-            "moe_layer_freq": _moe_layers(hf), "moe_aux_loss_coeff": hf.router_aux_loss_coef,
+            "moe_layer_freq": family_fields.moe_layers(hf), "moe_aux_loss_coeff": hf.router_aux_loss_coef,
         },
         write=lambda m: {
             "num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
             "moe_intermediate_size": m.moe_ffn_hidden_size,
             "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
             "norm_topk_prob": not m.moe_router_pre_softmax, "router_aux_loss_coef": m.moe_aux_loss_coeff,
-        } | _moe_layers_hf(m),
+        } | family_fields.moe_layers_hf(m),
         tiny={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
               "shared_expert_intermediate_size": 96},
     ),
     "qwen3_moe": Family(
         "qwen3_moe", "Qwen3MoeForCausalLM",
-        read=lambda hf: _dense_read(hf) | {
+        read=lambda hf: family_fields.dense_read(hf) | {
             "qk_layernorm": True, "num_experts": hf.num_experts, "moe_router_topk": hf.num_experts_per_tok,
             "moe_ffn_hidden_size": hf.moe_intermediate_size, "moe_router_pre_softmax": not hf.norm_topk_prob,
-            "moe_layer_freq": _moe_layers(hf), "moe_aux_loss_coeff": hf.router_aux_loss_coef,
+            "moe_layer_freq": family_fields.moe_layers(hf), "moe_aux_loss_coeff": hf.router_aux_loss_coef,
         },
         write=lambda m: {
             "num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
             "moe_intermediate_size": m.moe_ffn_hidden_size, "norm_topk_prob": not m.moe_router_pre_softmax,
             "router_aux_loss_coef": m.moe_aux_loss_coeff,
-        } | _moe_layers_hf(m),
+        } | family_fields.moe_layers_hf(m),
         tiny={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
     ),
 }
@@ -251,7 +230,7 @@ def from_hf(source: str | Path | dict[str, Any] | Any) -> ModelConfig:
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         init_method_std=getattr(hf, "initializer_range", 0.02),
     )
-    fields |= _rotary(hf)
+    fields |= family_fields.rotary(hf)
     fields |= family.read(hf)
     return ModelConfig(**fields)
 
@@ -270,8 +249,12 @@ def to_hf(model: ModelConfig, base: dict[str, Any] | None = None) -> Any:
         raise ConfigError(f"ModelConfig.family={model.family!r} is not a registered family; use one of "
                           f"{supported()}.")
     rope = {"rope_theta": model.rotary_base, "rope_type": "default"}
+    if model.rotary_percent != 1.0:
+        rope["partial_rotary_factor"] = model.rotary_percent
     if model.rope_scaling_factor is not None:
-        rope |= {"rope_type": "llama3", "factor": model.rope_scaling_factor} | MCORE_LLAMA3_ROPE
+        rope |= {"rope_type": "llama3", "factor": model.rope_scaling_factor} | family_fields.MCORE_LLAMA3_ROPE
+    if model.yarn is not None:
+        rope |= {"rope_type": "yarn"} | model.yarn
     kwargs = dict(
         architectures=[family.architecture],
         num_hidden_layers=model.num_layers,

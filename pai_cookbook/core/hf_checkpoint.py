@@ -20,6 +20,7 @@ from pai_cookbook.core import families, hf_mapping, inputs
 from pai_cookbook.core.model_config import ConfigError, ModelConfig
 
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed on load
+FP32_HF_TENSORS = ("e_score_correction_bias",)  # fp32 in a checkpoint of any dtype (transformers keeps them so)
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -32,7 +33,8 @@ class HFCheckpoint:
 
     @property
     def dtype(self) -> torch.dtype:
-        names = {dtype for _, _, dtype in self.tensors.values()}
+        names = {dtype for name, (_, _, dtype) in self.tensors.items()
+                 if not (name.endswith(FP32_HF_TENSORS) and dtype == "F32")}
         if len(names) != 1 or next(iter(names)) not in _DTYPES:
             raise ConfigError(f"{self.folder}: tensors must share one dtype of {sorted(_DTYPES)}, found {sorted(names)}.")
         return _DTYPES[names.pop()]
@@ -68,14 +70,25 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def inspect_hf(folder: str | Path, model: ModelConfig | None = None) -> HFCheckpoint:
+def _mtp_tensors(tensors: dict[str, Any], num_layers: int) -> set[str]:
+    """Tensors of the layers after the model's last (`model.layers.<n >= num_layers>.*`): DeepSeek-V3's and GLM-4.5's
+    multi-token-prediction modules (eh_proj, enorm, hnorm, a decoder layer, shared_head)."""
+    return {k for k in tensors if k.startswith("model.layers.") and k.split(".")[2].isdigit()
+            and int(k.split(".")[2]) >= num_layers}
+
+
+def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp: bool = False) -> HFCheckpoint:
     """Read config and safetensors headers (no weights) and check them against each other.
 
     `model`: the folder's config as an earlier inspection read it (the conversion worker gets it with its job, and
     so does not import transformers to read config.json again: ~1.5 s of its start).
 
+    `drop_mtp`: leave out the multi-token-prediction layers some checkpoints carry after the last layer (refused by
+    name otherwise).
+
     Raises:
-        ConfigError: unsupported architecture, truncated shard, missing/unexpected tensor, shape mismatch.
+        ConfigError: unsupported architecture, truncated shard, missing/unexpected tensor, shape mismatch,
+            multi-token-prediction layers without `drop_mtp`.
         FileNotFoundError: no config.json, no safetensors, or a shard the index lists is absent.
     """
     folder = Path(folder)
@@ -107,7 +120,15 @@ def inspect_hf(folder: str | Path, model: ModelConfig | None = None) -> HFCheckp
     if missing:
         raise ConfigError(f"{folder}: {len(missing)} tensor(s) that config.json implies are missing, e.g. "
                           f"{missing[:3]}; the weights do not belong to this config.")
-    unexpected = sorted(k for k in set(tensors) - set(expected) if not k.endswith(IGNORED_HF_TENSORS))
+    mtp = _mtp_tensors(tensors, model.num_layers)
+    if mtp and not drop_mtp:
+        layers = sorted({int(k.split(".")[2]) for k in mtp})
+        parts = sorted({k.split(".", 3)[3].split(".")[0] for k in mtp})
+        raise ConfigError(f"{folder}: {len(mtp)} tensors of {len(layers)} multi-token-prediction layer(s) after the "
+                          f"model's {model.num_layers} (model.layers.{layers[0]}.*: {', '.join(parts)}). The cookbook "
+                          f"converts the model without them or not at all (transformers does not load them either): "
+                          f"pass drop_mtp=True to convert the model alone; the source keeps them.")
+    unexpected = sorted(k for k in set(tensors) - set(expected) - mtp if not k.endswith(IGNORED_HF_TENSORS))
     if unexpected:
         raise ConfigError(f"{folder}: tensor(s) the cookbook's {model.family} mapping does not know, e.g. "
                           f"{unexpected[:3]}; the checkpoint has a feature the converter does not cover.")

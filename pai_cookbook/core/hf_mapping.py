@@ -46,29 +46,43 @@ RULES: tuple[Rule, ...] = (
          tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
     Rule(_L + r"self_attention\.linear_qkv\.bias", tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
     Rule(_L + r"self_attention\.linear_proj\.weight", (_H + "self_attn.o_proj.weight",), "copy"),
-    Rule(_L + r"self_attention\.q_layernorm\.weight", (_H + "self_attn.q_norm.weight",), "copy"),
     Rule(_L + r"self_attention\.k_layernorm\.weight", (_H + "self_attn.k_norm.weight",), "copy"),
+    # multi-latent attention (DeepSeek-V3): both sides lay each head out as [no-rotary part, rotary part] (queries,
+    # keys) and [no-rotary key part, value] (the key/value up-projection), and the key/value down-projection as
+    # [latent, shared rotary key]: every tensor is copied.
+    Rule(_L + r"self_attention\.linear_q_proj\.weight", (_H + "self_attn.q_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_q_down_proj\.weight", (_H + "self_attn.q_a_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.q_layernorm\.weight", (_H + "self_attn.{q_norm}.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_q_up_proj\.weight", (_H + "self_attn.q_b_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_kv_down_proj\.weight", (_H + "self_attn.kv_a_proj_with_mqa.weight",), "copy"),
+    Rule(_L + r"self_attention\.kv_layernorm\.weight", (_H + "self_attn.kv_a_layernorm.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_kv_up_proj\.weight", (_H + "self_attn.kv_b_proj.weight",), "copy"),
     Rule(_L + r"pre_mlp_layernorm\.weight", (_H + "post_attention_layernorm.weight",), "copy"),
     Rule(_L + r"mlp\.linear_fc1\.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
     Rule(_L + r"mlp\.linear_fc2\.weight", (_H + "mlp.down_proj.weight",), "copy"),
     Rule(_L + r"mlp\.router\.weight", (_H + "{moe}.gate.weight",), "copy"),
+    Rule(_L + r"mlp\.router\.expert_bias", (_H + "{moe}.gate.e_score_correction_bias",), "copy"),
     Rule(_L + _EXPERT + r"linear_fc1\.weight", (_H + "{moe}.experts.{e}.{gate}.weight",
                                                 _H + "{moe}.experts.{e}.{up}.weight"), "gate_up"),
     Rule(_L + _EXPERT + r"linear_fc2\.weight", (_H + "{moe}.experts.{e}.{down}.weight",), "copy"),
     Rule(_L + r"mlp\.shared_experts\.linear_fc1\.weight",
-         (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), "gate_up"),
-    Rule(_L + r"mlp\.shared_experts\.linear_fc2\.weight", (_H + "mlp.shared_expert.down_proj.weight",), "copy"),
+         (_H + "mlp.{shared}.gate_proj.weight", _H + "mlp.{shared}.up_proj.weight"), "gate_up"),
+    Rule(_L + r"mlp\.shared_experts\.linear_fc2\.weight", (_H + "mlp.{shared}.down_proj.weight",), "copy"),
     Rule(_L + r"mlp\.shared_experts\.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "copy"),
 )
 
 # How each family names its MoE block and expert projections on disk (the hub format, which is also
 # what transformers 5 writes with save_pretrained).
+_DENSE_NAMES = {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "shared": "shared_expert",
+                "q_norm": "q_norm"}
 _MOE_NAMES = {
-    "mixtral": {"moe": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
-    "qwen2_moe": {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
-    "qwen3_moe": {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "mixtral": _DENSE_NAMES | {"moe": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
+    "qwen2_moe": _DENSE_NAMES,
+    "qwen3_moe": _DENSE_NAMES,
+    # the query latent's norm, and the shared experts (plural)
+    "deepseek_v3": _DENSE_NAMES | {"shared": "shared_experts", "q_norm": "q_a_layernorm"},
+    "glm4_moe": _DENSE_NAMES | {"shared": "shared_experts"},
 }
-_DENSE_NAMES = {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
 class UnmappedParameter(KeyError):
@@ -154,8 +168,7 @@ def to_hf(kind: str, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Ten
 
 def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of `model` must hold, with its shape."""
-    h, d, layers = model.hidden_size, model.head_dim, model.num_layers
-    q_out, kv_out = model.num_attention_heads * d, model.query_groups * d
+    h, layers = model.hidden_size, model.num_layers
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
     if not model.tie_word_embeddings:
         shapes["lm_head.weight"] = (model.vocab_size, h)
@@ -163,14 +176,8 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     freq = model.moe_layer_freq
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
-                   p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out)}
-        if model.add_qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
-                       p + "self_attn.v_proj.bias": (kv_out,)}
-        if model.qk_layernorm:
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= _mla_shapes(model, p) if model.multi_latent_attention else _attention_shapes(model, p)
         is_moe = model.is_moe and (freq[i] if isinstance(freq, list) else i % freq == 0)
         if not is_moe:
             f = model.ffn_hidden_size
@@ -183,10 +190,39 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             x = p + f"{moe}.experts.{e}."
             shapes |= {x + f"{names['gate']}.weight": (f, h), x + f"{names['up']}.weight": (f, h),
                        x + f"{names['down']}.weight": (h, f)}
+        if model.moe_router_enable_expert_bias:
+            shapes[p + f"{moe}.gate.e_score_correction_bias"] = (model.num_experts,)
         if model.moe_shared_expert_intermediate_size:
-            s = model.moe_shared_expert_intermediate_size
-            shapes |= {p + "mlp.shared_expert.gate_proj.weight": (s, h), p + "mlp.shared_expert.up_proj.weight": (s, h),
-                       p + "mlp.shared_expert.down_proj.weight": (h, s)}
+            s, x = model.moe_shared_expert_intermediate_size, p + f"mlp.{names['shared']}."
+            shapes |= {x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h), x + "down_proj.weight": (h, s)}
             if model.moe_shared_expert_gate:
                 shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
     return shapes
+
+
+def _attention_shapes(model: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, d = model.hidden_size, model.head_dim
+    q_out, kv_out = model.num_attention_heads * d, model.query_groups * d
+    shapes = {p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
+              p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out)}
+    if model.add_qkv_bias:
+        shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                   p + "self_attn.v_proj.bias": (kv_out,)}
+    if model.qk_layernorm:
+        shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    return shapes
+
+
+def _mla_shapes(model: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's attention tensors: query latent (or a direct query projection), key/value latent with the shared
+    rotary key, their norms, the per-head up-projections and the output."""
+    h, heads, a = model.hidden_size, model.num_attention_heads, p + "self_attn."
+    q_head, latent = model.qk_head_dim + model.qk_pos_emb_head_dim, model.kv_lora_rank
+    shapes = {a + "kv_a_proj_with_mqa.weight": (latent + model.qk_pos_emb_head_dim, h),
+              a + "kv_a_layernorm.weight": (latent,),
+              a + "kv_b_proj.weight": (heads * (model.qk_head_dim + model.v_head_dim), latent),
+              a + "o_proj.weight": (h, heads * model.v_head_dim)}
+    if model.q_lora_rank is None:
+        return shapes | {a + "q_proj.weight": (heads * q_head, h)}
+    return shapes | {a + "q_a_proj.weight": (model.q_lora_rank, h), a + "q_a_layernorm.weight": (model.q_lora_rank,),
+                     a + "q_b_proj.weight": (heads * q_head, model.q_lora_rank)}

@@ -41,6 +41,8 @@ class ConvertJob(Job):
     """mcore2hf: the largest safetensors shard."""
     model: ModelConfig | None = None
     """hf2mcore: the source's config as `inspect_hf` read it before launch."""
+    drop_mtp: bool = False
+    """hf2mcore: convert without the source's multi-token-prediction layers (`hf_checkpoint.inspect_hf`)."""
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:

@@ -124,30 +124,65 @@ def _layer_spec(model: ModelConfig, config, vp_stage: int | None, use_te: bool, 
             spec.module = seeded
             if not use_te:
                 _local_swaps(spec, model)
+                _latent_norm_keys(spec, model)
         swap_classes(block, {SequentialMLP: _seeded_experts_class(SequentialMLP)})  # grouped experts: not re-seeded
         return block
+    mla = model.multi_latent_attention
     if use_te:
-        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm,
+                                                                multi_latent_attention=mla)
     else:
-        spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
+        spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization,
+                                              multi_latent_attention=mla)
     spec.module = seeded
     if not use_te:
         _local_swaps(spec, model)
+        _latent_norm_keys(spec, model)
     return spec
+
+
+# Checkpoint keys of multi-latent attention's norms in Transformer Engine's spec, which fuses them into the next linear;
+# the local spec (which keeps them apart) names them so too, as upstream's local spec does for the input norms of other
+# layers, so one checkpoint loads on either path.
+_TE_LATENT_NORM_KEYS = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                        "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+
+
+def _latent_norm_keys(spec, model: ModelConfig) -> None:
+    """A local multi-latent-attention layer spec's checkpoint keys made Transformer Engine's (`_TE_LATENT_NORM_KEYS`, and
+    a dense layer's pre-MLP norm fused into its first linear there)."""
+    if not model.multi_latent_attention:
+        return
+    from megatron.core.transformer.mlp import MLP
+
+    from pai_cookbook.core.specs import builder_class
+
+    keys = spec.submodules.sharded_state_dict_keys_map
+    keys.update(_TE_LATENT_NORM_KEYS)
+    mlp = builder_class(spec.submodules.mlp)
+    if isinstance(mlp, type) and issubclass(mlp, MLP):
+        keys.setdefault("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
 
 
 def _local_swaps(spec, model: ModelConfig) -> None:
     """The local path's swaps (`core.runtime.LOCAL_SWAPS`): self-attention keeping rotated keys in the static KV cache
     (`left_padded_kv_cache`), and the core attention on PyTorch's fused kernel (`sdpa_core_attention`) unless the model
-    asks for Megatron-Core's unfused one."""
+    asks for Megatron-Core's unfused one, which takes multi-latent attention's head widths (`latent_attention`); and
+    multi-latent attention with its rotary key's gradient summed over TP (`latent_attention`)."""
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    from pai_cookbook.core.attention import LeftPaddedSelfAttention, SDPAttention
+    from pai_cookbook.core.attention import LatentSelfAttention, LeftPaddedSelfAttention, SDPAttention, SplitWidthAttention
 
     self_attention = spec.submodules.self_attention
     if self_attention.module is SelfAttention:
         self_attention.module = LeftPaddedSelfAttention
+    elif self_attention.module is MLASelfAttention:
+        self_attention.module = LatentSelfAttention
     attention = self_attention.submodules
-    if attention.core_attention is DotProductAttention and model.attention_backend == "sdpa":
-        attention.core_attention = SDPAttention
+    if attention.core_attention is DotProductAttention:
+        if model.attention_backend == "sdpa":
+            attention.core_attention = SDPAttention
+        elif model.multi_latent_attention:  # upstream's takes no head widths of its own (`latent_attention`)
+            attention.core_attention = SplitWidthAttention

@@ -114,6 +114,8 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
              f"num_query_groups {m.query_groups} is not divisible by TP={tp}: TP={tp} must divide the "
              f"{m.query_groups} KV groups (each TP rank needs whole KV heads). Use TP in {divisors(m.query_groups)}.")
     require(m.ffn_hidden_size % tp == 0, f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP={tp}.")
+    if m.multi_latent_attention:
+        _check_latent_attention(m, tp, purpose)
     stages = pp * (vpp or 1)
     splitter = f"PP x VPP = {stages}" if vpp else f"PP={pp}"
     require(m.num_layers % stages == 0,
@@ -142,6 +144,24 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
     if purpose == "infer":
         _check_inference(p)
     return dp
+
+
+def _check_latent_attention(m: ModelConfig, tp: int, purpose: str) -> None:
+    """Multi-latent attention's down projections, whose outputs the local spec splits over TP ranks; and training at
+    TP > 1, whose rotary key gradient the cookbook sums over TP from Megatron-Core 0.17 on
+    (`core.attention.LatentSelfAttention` overrides the down projection, a method of its own from 0.17)."""
+    from pai_cookbook.core import versions
+
+    kv = m.kv_lora_rank + m.qk_pos_emb_head_dim
+    require(m.q_lora_rank is None or m.q_lora_rank % tp == 0,
+             f"q_lora_rank {m.q_lora_rank} is not divisible by TP={tp} (the query latent is split over TP ranks). Use "
+             f"TP in {divisors(m.q_lora_rank or 1)}.")
+    require(kv % tp == 0, f"kv_lora_rank + qk_pos_emb_head_dim = {kv} is not divisible by TP={tp} (the key/value latent "
+                          f"is split over TP ranks). Use TP in {divisors(kv)}.")
+    require(purpose != "train" or tp == 1 or versions.minor() >= (0, 17),
+             f"training multi-latent attention at TP={tp} on Megatron-Core {versions.megatron_core_version()}: its "
+             f"rotary key would learn from one TP rank's heads (the cookbook corrects that from 0.17 on). Train at "
+             f"TP=1 (EP and PP are fine), or install megatron-core>=0.17.")
 
 
 def _check_inference(p: ParallelConfig) -> None:

@@ -32,7 +32,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
     Fused kernels that exist only as CUDA extensions (bias-activation, RoPE, gradient-accumulation
     fusion) are switched on only where they exist; they change speed, not the function computed.
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dtype = torch_dtype(precision)
     fused = device.is_cuda and device.has_transformer_engine
@@ -89,6 +89,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
             moe_router_score_function=model.moe_router_score_function,
             moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
             moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+            moe_router_num_groups=model.moe_router_num_groups,
+            moe_router_group_topk=model.moe_router_group_topk,
+            moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
             moe_expert_capacity_factor=model.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=model.moe_pad_expert_input_to_capacity,
             moe_layer_freq=model.moe_layer_freq,
@@ -108,7 +111,25 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
                       num_layers_at_end_in_bf16=fp8.num_layers_at_end_in_bf16)
     # The emulated backend (core/fp8.py) leaves Megatron-Core's fp8 fields off: the layer spec's linears
     # carry the FP8 numerics instead (`core.layer_spec`).
+    if model.multi_latent_attention:
+        kwargs["apply_rope_fusion"] = fused and model.yarn is not None  # Megatron-Core fuses MLA's YaRN rotary only
+        return MLATransformerConfig(**kwargs, **_mla_fields(model))
     return TransformerConfig(**kwargs)
+
+
+def _mla_fields(model: ModelConfig) -> dict:
+    """Multi-latent attention's fields of `MLATransformerConfig`: the latents, the head parts, and the rotary the
+    attention builds itself (plain, or YaRN with its factor and attention scale)."""
+    yarn = model.yarn or {}
+    return dict(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+                qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+                rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
+                rope_type="yarn" if model.yarn else "rope",
+                # unused by plain rotary, except mscale_all_dim in the softmax scale: 0 keeps that at 1
+                rotary_scaling_factor=yarn.get("factor", 1.0), mscale=yarn.get("mscale", 1.0),
+                mscale_all_dim=yarn.get("mscale_all_dim", 0.0), beta_fast=yarn.get("beta_fast", 32.0),
+                beta_slow=yarn.get("beta_slow", 1.0),
+                original_max_position_embeddings=int(yarn.get("original_max_position_embeddings", 4096)))
 
 
 def _grouped_gemm(model: ModelConfig, device: DeviceInfo) -> bool:

@@ -76,7 +76,26 @@ class ModelConfig:
     add_bias_linear: bool = False
     """Bias on every linear layer (GPT-2 style)."""
     qk_layernorm: bool = False
-    """Normalise queries and keys per head (Qwen3)."""
+    """Normalise queries and keys per head (Qwen3); with multi-latent attention, the two latents (DeepSeek-V3)."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2): keys and values rebuilt per head from one small latent per
+    token, queries from another (or straight from the hidden state), each query/key head a part without rotary and a
+    rotary part (the key's shared by every head). The fields below shape it; kv_channels is the query/key head width
+    (qk_head_dim + qk_pos_emb_head_dim) and num_query_groups is unused."""
+    q_lora_rank: int | None = None
+    """Width of the query latent; None projects queries straight from the hidden state (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Width of the key/value latent."""
+    qk_head_dim: int = 128
+    """Width of each query/key head's part without rotary."""
+    qk_pos_emb_head_dim: int = 64
+    """Width of each query/key head's rotary part."""
+    v_head_dim: int = 128
+    """Width of each value head."""
+    yarn: dict[str, float] | None = None
+    """YaRN rotary scaling (DeepSeek-V3's 128k context) in Megatron-Core's terms: factor,
+    original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim; None: plain rotary. With
+    multi-latent attention only."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output layer (small Qwen2 models)."""
     hidden_dropout: float = 0.0
@@ -106,6 +125,13 @@ class ModelConfig:
     choice only, moves each step towards equal load (needs moe_router_score_function='sigmoid')."""
     moe_router_bias_update_rate: float = 1e-3
     """Step of that bias per optimizer step."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V3: 256 experts in 8 groups): experts are split into this many groups and a
+    token picks its top-k only among the `moe_router_group_topk` groups whose two best scores sum highest."""
+    moe_router_group_topk: int | None = None
+    """Groups a token may route to (DeepSeek-V3: 4 of 8); with moe_router_num_groups."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplies the routed experts' weights (DeepSeek-V3's routed_scaling_factor 2.5); None: 1."""
     moe_layer_freq: int | list[int] = 1
     """Every n-th layer is MoE (1: all, 2: every other layer as GShard did), or a 0/1 flag per layer."""
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
@@ -169,14 +195,30 @@ class ModelConfig:
                      f"aux-loss balancing types, not sinkhorn ({self.moe_router_load_balancing_type!r}).")
             require(not self.moe_pad_expert_input_to_capacity or capacity is not None,
                      "moe_pad_expert_input_to_capacity=True pads to a capacity; set moe_expert_capacity_factor.")
+        if self.multi_latent_attention:
+            positive(self, "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+            require(self.kv_channels == self.qk_head_dim + self.qk_pos_emb_head_dim,
+                     f"with multi-latent attention kv_channels is the query/key head width qk_head_dim + "
+                     f"qk_pos_emb_head_dim = {self.qk_head_dim + self.qk_pos_emb_head_dim}, got {self.kv_channels}.")
+        require(self.yarn is None or self.multi_latent_attention,
+                 "yarn rotary scaling is built by Megatron-Core's multi-latent attention only; this model has "
+                 "multi_latent_attention=False. Remove yarn (and use the model's original context) or use a family "
+                 "with multi-latent attention.")
+        if self.num_experts is not None and self.moe_router_num_groups is not None:
+            groups, picked = self.moe_router_num_groups, self.moe_router_group_topk
+            require(self.num_experts % groups == 0 and picked is not None and 0 < picked <= groups,
+                     f"group-limited routing needs num_experts ({self.num_experts}) divisible by moe_router_num_groups "
+                     f"({groups}) and 0 < moe_router_group_topk ({picked}) <= moe_router_num_groups.")
         if self.position_embedding_type == "rope":
-            # Rotary's slowest component turns once every 2*pi*base tokens: past that, distant
-            # positions alias onto near ones and the model cannot tell them apart.
-            longest_wavelength = 2 * math.pi * self.rotary_base
+            # Rotary's slowest component turns once every 2*pi*base tokens (times the scaling factor of Llama 3's or
+            # YaRN's scaling, which stretch the slow components): past that, distant positions alias onto near ones.
+            stretch = (self.yarn or {}).get("factor") or self.rope_scaling_factor or 1.0
+            longest_wavelength = 2 * math.pi * self.rotary_base * stretch
             require(self.max_position_embeddings <= longest_wavelength,
                      f"max_position_embeddings {self.max_position_embeddings} exceeds rotary's longest "
-                     f"wavelength 2*pi*rotary_base = {longest_wavelength:.0f} tokens (rotary_base "
-                     f"{self.rotary_base:g}); raise rotary_base (Llama 3 uses 500000) or shorten the context.")
+                     f"wavelength 2*pi*rotary_base x scaling = {longest_wavelength:.0f} tokens (rotary_base "
+                     f"{self.rotary_base:g}, scaling x{stretch:g}); raise rotary_base (Llama 3 uses 500000) or shorten "
+                     f"the context.")
 
     @property
     def query_groups(self) -> int:
@@ -198,7 +240,10 @@ class ModelConfig:
     def summary(self) -> str:
         """The fields that shape this model, in one line for a reader (the full record is `dataclasses.asdict`)."""
         attention = f"{self.num_attention_heads} attention heads of {self.head_dim}"
-        if self.query_groups != self.num_attention_heads:
+        if self.multi_latent_attention:
+            attention = (f"{self.num_attention_heads} multi-latent attention heads of {self.qk_head_dim}+"
+                         f"{self.qk_pos_emb_head_dim} (KV latent {self.kv_lora_rank}, query latent {self.q_lora_rank})")
+        elif self.query_groups != self.num_attention_heads:
             attention += f" ({self.query_groups} KV groups)"
         parts = [f"{self.family}: {self.num_layers} layers", f"hidden {self.hidden_size}", attention,
                  f"{self.activation} MLP {self.ffn_hidden_size}", f"{self.normalization}",
@@ -207,7 +252,9 @@ class ModelConfig:
                  else f"{self.position_embedding_type} positions"]
         if self.is_moe:
             parts.append(f"MoE: {self.num_experts} experts of {self.moe_ffn_hidden_size or self.ffn_hidden_size}, "
-                         f"top-{self.moe_router_topk}")
+                         f"top-{self.moe_router_topk}"
+                         + (f" + a shared expert of {self.moe_shared_expert_intermediate_size}"
+                            if self.moe_shared_expert_intermediate_size else ""))
         if self.tie_word_embeddings:
             parts.append("tied embeddings")
         return ", ".join(parts)

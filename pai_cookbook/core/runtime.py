@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-# Scheduler variables of a multi-node job (node-level: WORLD_SIZE = nodes, RANK = node index).
-SCHEDULER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+SCHEDULER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")  # node-level: WORLD_SIZE nodes, RANK node index
 DEFAULT_MASTER_PORT = 29500
 DIST_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -40,8 +39,7 @@ class DeviceInfo:
 
     is_cuda: bool
     name: str
-    count: int
-    """GPUs visible to this process (0 on CPU)."""
+    count: int  # GPUs visible to this process (0 on CPU)
     compute_capability: tuple[int, int] | None
     backend: str
     """torch.distributed backend: nccl on CUDA, gloo on CPU."""
@@ -85,6 +83,8 @@ LOCAL_SWAPS = {
                            "memory-efficient on a GPU) instead of materialised scores (ModelConfig.attention_backend)",
     "left_padded_kv_cache": "core.attention.LeftPaddedSelfAttention: a batch of prompts of different lengths "
                             "left-padded, each row at its own positions, keys rotated once before the static KV cache",
+    "latent_attention": "core.attention.LatentSelfAttention, SplitWidthAttention: multi-latent attention's rotary key "
+                        "learns from every TP rank's heads; its values may be narrower than its keys",
 }
 """What the local path adds where Transformer Engine is absent: swaps that serve a GPU too."""
 

@@ -30,6 +30,14 @@ def convert_spec(spec, linears: bool = True) -> None:
             continue
         layer.module = lean_classes.setdefault(base, lean_layer_class(base))
     swap_classes(spec, {LeftPaddedSelfAttention: LeanSelfAttention} | (linear.LEAN if linears else {}))
+    upstream = {lean: base for base, lean in linear.LEAN.items()}
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        # multi-latent attention accepts its down projections by exact class (Linear, ColumnParallelLinear or Transformer
+        # Engine's): those two keep upstream's linear
+        attention = getattr(layer.submodules.self_attention, "submodules", None)
+        for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+            if hasattr(attention, name):
+                setattr(attention, name, upstream.get(getattr(attention, name), getattr(attention, name)))
 
 
 def convert_output_layer(output_layer) -> None:

@@ -242,7 +242,7 @@ def run(job: ConvertJob, device) -> dict[str, Any]:
     start = time.perf_counter()
     src, dst = Path(job.src), Path(job.dst)
     if job.direction == "hf2mcore":
-        result = write_megatron(inspect_hf(src, job.model), dst)
+        result = write_megatron(inspect_hf(src, job.model, drop_mtp=job.drop_mtp), dst)
     elif job.direction == "mcore2hf":
         result = write_hf(src, dst, job.max_shard_bytes)
     else:

@@ -62,8 +62,9 @@ def chunk_layout(model: ModelConfig, dtype: torch.dtype, head: str = "lm"
     )
 
     gpt = meta_model(model, dtype, head)
-    shapes = {name: p.shape for name, p in gpt.named_parameters()}
     state = gpt.sharded_state_dict()
+    # the parameters, and the buffers a checkpoint stores (the router's expert bias)
+    shapes = {n: p.shape for n, p in gpt.named_parameters()} | {n: b.shape for n, b in gpt.named_buffers() if n in state}
     apply_factories(state)
     chunks = []
     for param, value in state.items():
@@ -176,8 +177,10 @@ def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype, hea
     for chunk in chunks:
         by_param.setdefault(chunk.param, []).append(chunk)
     files: dict[str, Any] = {}
+    model_dtype = dtype
     try:
         for name, param_chunks in by_param.items():
+            dtype = stored_dtype(name, model_dtype)
             stored = [whole.get((c.key, c.offsets, c.sizes)) for c in param_chunks]
             if all(stored):
                 pieces = []
@@ -210,6 +213,16 @@ def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype, hea
     finally:
         for file in files.values():
             file.close()
+
+
+FP32_BUFFERS = ("expert_bias",)
+"""Checkpointed buffers kept in fp32 whatever the model's dtype: Megatron-Core's router expert bias
+(`TopKRouter._maintain_float32_expert_bias`), as transformers keeps DeepSeek-V3's e_score_correction_bias."""
+
+
+def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint of a `dtype` model stores the tensor `name` in."""
+    return torch.float32 if name.endswith(FP32_BUFFERS) else dtype
 
 
 def whole_view(shape: torch.Size) -> tuple[tuple[int, ...], tuple[int, ...], int]:

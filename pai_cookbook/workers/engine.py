@@ -241,7 +241,7 @@ def inference_mode():
             InferenceMode.unset_active()
 
 
-def engine_record(engine, device: runtime.DeviceInfo) -> dict[str, Any]:
+def engine_record(engine) -> dict[str, Any]:
     """Which inference engine and path ran a generation, as every generation result records it (`result["engine"]`,
     beside `result["layers"]`): Megatron-Core's release, the engine class, its path (`engine.legacy`: the static
     batching path, or the dynamic engine the static one runs underneath), how a batch is padded, and the KV cache."""
@@ -250,13 +250,17 @@ def engine_record(engine, device: runtime.DeviceInfo) -> dict[str, Any]:
     wrapped = engine.controller.inference_wrapped_model
     return {"megatron_core": str(versions.megatron_core_version()), "engine": type(engine).__name__,
             "path": "static batching (legacy=True)" if engine.legacy else "dynamic engine (under the static one)",
-            "padding": "left" if left_pads(device) else "right", "kv_cache": wrapped.kv_cache}
+            "padding": "left" if left_pads(engine) else "right", "kv_cache": wrapped.kv_cache}
 
 
-def left_pads(device: runtime.DeviceInfo) -> bool:
-    """Whether generation left-pads a batch on `device`'s layers: the local paths' `left_padded_kv_cache` swap;
-    Transformer Engine's spec is upstream's and right-pads as Megatron-Core's static batching does."""
-    return device.layers != runtime.TE_LAYERS
+def left_pads(engine) -> bool:
+    """Whether `engine` left-pads a batch: on the local paths' layers, whose self-attention is the `left_padded_kv_cache`
+    swap. Transformer Engine's spec is upstream's, and multi-latent attention rotates its keys inside its own
+    projection (no swap reaches there): both right-pad as Megatron-Core's static batching does, which computes the same
+    tokens (each row's prompt fed whole before it samples) in (longest - shortest prompt) more steps."""
+    controller = engine.controller
+    return (controller.device_info.layers != runtime.TE_LAYERS
+            and not controller.inference_wrapped_model.model.config.multi_latent_attention)
 
 
 def decoding_weights(engine, rows: int) -> contextlib.AbstractContextManager[int]:
@@ -277,7 +281,7 @@ def generate_batch(engine, prompts: list[list[int]], params, **settings: Any) ->
     alone."""
     from megatron.core.inference.inference_request import InferenceRequest
 
-    if left_pads(engine.controller.device_info):
+    if left_pads(engine):
         width = max(map(len, prompts))
         padding = [width - len(p) for p in prompts]
         engine.controller.configure(prompt_lengths=[width] * len(prompts), left_padding=padding, **settings)

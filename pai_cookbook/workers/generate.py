@@ -69,7 +69,7 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
                 worker.progress(min((number + 1) * batch_size, len(prompts)), len(prompts))
         seconds = time.perf_counter() - start
     result = _gather(job, mine, forward_lengths, (seconds, wrapped.forward_seconds, start - packing), parallel)
-    return result and result | {"engine": engine_record(engine, device)}
+    return result and result | {"engine": engine_record(engine)}
 
 
 def _gather(job, mine, forward_lengths, timing: tuple[float, float, float], parallel) -> dict[str, Any]:

@@ -312,7 +312,7 @@ def train(job: RLJob, device) -> dict[str, Any]:
         saved = Path(started_from)
     return {"first_step": first_step, "started_from": started_from, "steps": history, "evals": evals,
             "checkpoint": str(saved) if saved else None, "world_size": torch.distributed.get_world_size(),
-            "device": device.name, "engine": inference.engine_record(engine, device)}
+            "device": device.name, "engine": inference.engine_record(engine)}
 
 
 def _saved_state(job: RLJob, controller) -> dict[str, Any]:
