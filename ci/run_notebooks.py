@@ -27,7 +27,7 @@ KERNEL = "python3"
 # gives. Each notebook says what its tiny run can and cannot show; the others are tiny by default (their points need
 # many runs: 02, 04, 05, 08) or need no model (09).
 TINY: dict[str, dict] = {
-    "01_convert_checkpoint": {"REAL_MODEL": False, "TP_SIZE": 2},
+    "01_convert_checkpoint": {"REAL_MODEL": False},
     "03_continued_pretraining": {"REAL_MODEL": False, "LR": 3e-3, "MIN_LR": 3e-4, "TRAIN_ITERS": 200, "WARMUP_ITERS": 20,
                                  "EVAL_INTERVAL": 20},
     "06_supervised_finetuning": {"REAL_MODEL": False, "LR": 3e-3, "MIN_LR": 3e-4, "TRAIN_ITERS": 100, "WARMUP_ITERS": 10,

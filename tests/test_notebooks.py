@@ -29,6 +29,8 @@ def check_convert(m: dict) -> None:
     assert m["min_cosine"] >= 0.99999 and m["max_abs_diff"] <= 1e-4 and m["min_argmax_agreement"] == 1.0
     assert m["max_loss_diff"] <= 1e-5
     assert m["round_trip_bitwise_identical"] and m["round_trip_tensors"] > 0
+    # the layouts derived from the tiny model (4 heads in 2 KV groups, 2 layers), not set by CI
+    assert (m["tp_size"], m["pp_size"]) == (2, 2)
 
 
 def check_pretraining(m: dict) -> None:
@@ -222,7 +224,7 @@ def check_plan(m: dict) -> None:
 def check_convert_real(m: dict) -> None:
     # The tiny model's bounds, except the logits': float32 rounding in another order grows through 30 layers
     # (tests/test_real_model.py's 2e-4; measured 5.2e-5 at TP3, 0 at TP1 and PP2).
-    assert m["real_model"] and m["layouts"] >= 4
+    assert m["real_model"] and m["layouts"] >= 4 and m["tp_size"] == 3  # derived: SmolLM2's 9 heads in 3 KV groups
     assert m["min_cosine"] >= 0.99999 and m["max_abs_diff"] <= 2e-4 and m["min_argmax_agreement"] == 1.0
     assert m["max_loss_diff"] <= 1e-5
     assert m["round_trip_bitwise_identical"] and m["round_trip_tensors"] > 0

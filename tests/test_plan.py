@@ -48,6 +48,7 @@ ONE_PROCESS = {
     "qwen2 bf16 distributed optimizer (tied, qkv bias)": _config("qwen2", dtype="bf16", distributed=True),
     "moe dropless": _config("mixtral"),
     "moe bf16 full recompute": _config("mixtral", dtype="bf16", recompute="full"),
+    "deepseek_v3 (latents, grouped sigmoid routing, shared expert)": _config("deepseek_v3"),
 }
 TWO_PROCESSES = {
     "TP2": _config(tensor_model_parallel_size=2),
@@ -65,6 +66,7 @@ TWO_PROCESSES = {
     "moe TP2 SP EP2": _config("mixtral", dtype="bf16", tensor_model_parallel_size=2, sequence_parallel=True,
                               expert_model_parallel_size=2, expert_tensor_parallel_size=1, **CAPACITY),
     "moe EP2 dropless": _config("mixtral", expert_model_parallel_size=2),
+    "deepseek_v3 TP2 SP bf16": _config("deepseek_v3", dtype="bf16", tensor_model_parallel_size=2, sequence_parallel=True),
 }
 
 
@@ -170,3 +172,22 @@ def test_the_llama_2_7b_breakdown_in_the_docs_is_what_the_plan_says():
     gib = {k: round(v / hardware.GIB, 2) for k, v in terms.items()}
     assert (gib["weights"], gib["gradients"], gib["optimizer"]) == (12.55, 25.10, 9.41)
     assert (round(gib["activations"], 1), round(gib["total"], 1)) == (30.2, 81.3)
+
+
+# Total and activated parameters as the model cards publish them (activated: None where the model is dense).
+PUBLISHED = {"Llama-3.2-3B": (3.21e9, None), "Qwen3-8B": (8.2e9, None), "Qwen3-32B": (32.8e9, None),
+             "Qwen3-30B-A3B": (30.5e9, 3.3e9), "Qwen3-235B-A22B": (235e9, 22e9), "DeepSeek-V3": (671e9, 37e9)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_named_shapes_have_their_published_parameter_counts(name):
+    """Every weight the plan holds, and the weights a token uses (from the training FLOPs, the embedding lookup added
+    back), within 2% of the model card's rounded figures (Qwen3-30B-A3B: 3.35B activated against "3.3B")."""
+    from pai_cookbook.core.model import training_flops_per_token
+
+    model, (total, activated) = SHAPES[name], PUBLISHED[name]
+    held = states.chunk_params(model, Layout(), 0, 0)
+    assert sum(held.dense) + sum(held.expert) == pytest.approx(total, rel=0.02)
+    if activated is not None:
+        used = training_flops_per_token(model, 0) / 6 + model.vocab_size * model.hidden_size
+        assert used == pytest.approx(activated, rel=0.02)

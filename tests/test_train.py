@@ -113,6 +113,22 @@ def test_training_flops_are_six_per_weight_plus_attention(family):
     assert training_flops_per_token(model, seq) == 6 * matmul_weights + attention
 
 
+def test_latent_attention_flops_count_its_latents_and_narrow_values():
+    """DeepSeek-V3: 6 FLOPs per token per weight of the latent projections (read off transformers' model), of the dense
+    first layer's MLP, and of the router, shared expert and top-k routed experts of the MoE layer; the scores over
+    query/key heads 40 wide and the values over heads 20 wide."""
+    import transformers
+
+    from pai_cookbook.core.model import training_flops_per_token
+    model, seq = families.tiny("deepseek_v3"), 32
+    hf = transformers.AutoModelForCausalLM.from_config(families.to_hf(model))
+    attention = sum(p.numel() for n, p in hf.named_parameters() if ".self_attn." in n and p.dim() == 2)
+    h, fm = model.hidden_size, model.moe_ffn_hidden_size
+    mlp = 3 * h * model.ffn_hidden_size + model.num_experts * h + (model.moe_router_topk + 1) * 3 * h * fm
+    scores = 6 * model.num_layers * seq * model.num_attention_heads * (model.head_dim + model.v_head_dim)
+    assert training_flops_per_token(model, seq) == 6 * (attention + mlp + model.vocab_size * h) + scores
+
+
 def test_step_log_is_written_per_step(tmp_path):
     result = train.run(tiny_run(train_iters=3), run_dir=tmp_path, show_progress=False, echo=False)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -70,10 +70,18 @@ class SDPAttention(SplitWidthAttention):
             if sq != sk:
                 raise ValueError(f"causal attention without a mask needs as many queries as keys ({sq} vs {sk})")
             causal = True
+        # Multi-latent attention's values are narrower than its queries and keys, and the fused kernels take one width
+        # (PyTorch's CPU kernel falls back to materialised scores, in fp32, otherwise): the values are padded with
+        # zeros, which add zero columns to the output, cut off after (as Megatron-Core pads them for its MLA kernels).
+        pad = q.shape[-1] - v.shape[-1]
+        if pad > 0:
+            v = torch.nn.functional.pad(v, (0, pad))
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
             enable_gqa=k.shape[1] != heads)
-        # [b, n, sq, d_v] -> [sq, b, n * d_v] (multi-latent attention's values are narrower than its queries)
+        if pad > 0:
+            out = out[..., :-pad]
+        # [b, n, sq, d_v] -> [sq, b, n * d_v]
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * out.shape[-1])
 
 

@@ -177,6 +177,22 @@ def _check_inference(p: ParallelConfig) -> None:
                                       f"sequence-parallel MoE layers; use TP or EP alone.")
 
 
+_AXES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size"}
+
+
+def largest(model: ModelConfig, axis: Literal["tp", "pp", "ep"], at_most: int, purpose: str = "load") -> int:
+    """The largest size up to `at_most` of one parallel axis (the others at 1) that `check` accepts for `model`: a
+    notebook's default layout, derived from the model the user brings (SmolLM2's 9 heads in 3 KV groups take TP=3, a
+    model with 2 KV groups TP=2; a dense model EP=1). The rules are `check`'s, so the default is never refused."""
+    for size in range(at_most, 1, -1):
+        try:
+            check(model, ParallelConfig(**{_AXES[axis]: size}), purpose=purpose)
+            return size
+        except ConfigError:
+            continue
+    return 1
+
+
 def record(parallel: ParallelConfig, world: int) -> dict[str, int]:
     """The layout a checkpoint was saved at, as `pai_cookbook.json` stores it under "saved_at"."""
     p = parallel

@@ -289,6 +289,13 @@ def training_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     q, kv = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
     gated = 3 if model.activation == "swiglu" else 2
     attention = h * (q + 2 * kv) + q * h
+    scores = 4 * seq_length * q  # q.k and probabilities.v, 2 FLOPs per multiply-add each
+    if model.multi_latent_attention:  # the latents' down and up projections; values heads x v_head_dim wide
+        m, v = model, model.num_attention_heads * model.v_head_dim
+        up = (m.kv_lora_rank * (m.num_attention_heads * m.qk_head_dim + v)
+              + (h * m.q_lora_rank + m.q_lora_rank * q if m.q_lora_rank else h * q))
+        attention = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + up + v * h
+        scores = 2 * seq_length * (q + v)
     dense_mlp = gated * h * model.ffn_hidden_size
     if model.is_moe:
         freq = model.moe_layer_freq
@@ -298,5 +305,5 @@ def training_flops_per_token(model: ModelConfig, seq_length: int) -> float:
         mlp_total = moe_layers * moe_mlp + (layers - moe_layers) * dense_mlp
     else:
         mlp_total = layers * dense_mlp
-    forward = 2 * (layers * attention + mlp_total + h * model.vocab_size) + 4 * layers * seq_length * q
+    forward = 2 * (layers * attention + mlp_total + h * model.vocab_size) + layers * scores
     return 3.0 * forward

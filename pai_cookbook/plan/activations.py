@@ -15,8 +15,11 @@ kv = groups x head_dim, f = ffn:
 - dense SwiGLU MLP: fc1's output 2f, silu's output, the up half + offset, their product: 5 s b f/t e;
 - MoE layer (T = s_n b tokens routed here, E experts, k = top-k, N tokens reaching this rank's experts: T k when
   dropless (balanced), E x capacity when padded to capacity): router scores T E x 4, top-k indices T k x 8 and
-  probabilities T k x 4, routing map T E, tokens per expert E x 8; the dispatcher's sort indices and probabilities;
-  the permuted tokens N h e; each expert's SwiGLU plus the probability scaling: 6 N f_moe/etp e;
+  probabilities T k x 4, routing map T E, tokens per expert E x 8 (a sigmoid router: the top-k scores' sum T x 4;
+  group-limited routing: each group's best k/G_k indices T G (k/G_k) x 8, the chosen groups T G_k x 8 and the expert
+  mask T E); the dispatcher's sort indices and probabilities; the permuted tokens N h e (with expert-TP, N counts the
+  expert-TP group's tokens: the dispatcher gathers them); each expert's SwiGLU plus the probability scaling:
+  6 N f_moe/etp e;
 - first stage: the token ids (s b x 8, and the vocabulary mask s b at TP > 1); last stage: the final norm, the output
   layer's input, the loss's exp(logits) in fp32 s b V/t x 4 and its targets (s b x 13) and the loss mask (s b x 4).
 
@@ -55,14 +58,30 @@ def dims(layout: Layout, workload: Workload) -> Dims:
                 e=DTYPE_BYTES[workload.dtype])
 
 
-def norm_bytes(model: ModelConfig, x: Dims) -> int:
-    """One norm: fp32 input and normalised input, 1/rms, and its output in e."""
+def norm_bytes(model: ModelConfig, x: Dims, width: int | None = None) -> int:
+    """One norm over `width` (the hidden size by default): fp32 input and normalised input, 1/rms, its output in e."""
     tokens = x.s_norm * x.b
-    return tokens * model.hidden_size * (2 * FP32 + x.e) + tokens * FP32
+    return tokens * (width or model.hidden_size) * (2 * FP32 + x.e) + tokens * FP32
+
+
+def latent_attention_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
+    """Multi-latent attention (n = heads / t, d_q = query/key head, d_v = value head, r = the rotary part): the query
+    and key/value latents' norms (on the sequence-parallel slice); the concatenated queries and keys, the values padded
+    to d_q for the fused kernel, and its output, s b n d_q e each; the output cut to d_v and made contiguous for the
+    output projection (s b n d_v e); the log-sum-exp; the rotary cos and sin (4 s r e)."""
+    m, t = model, layout.tp
+    heads, q_head = m.num_attention_heads // t, m.qk_head_dim + m.qk_pos_emb_head_dim
+    saved = norm_bytes(m, x, m.kv_lora_rank) + (norm_bytes(m, x, m.q_lora_rank) if m.q_lora_rank else 0)
+    saved += x.s * x.b * heads * (4 * q_head + m.v_head_dim) * x.e
+    if layout.recompute != "selective":
+        saved += x.b * heads * x.s * FP32  # log-sum-exp
+    return saved + 4 * x.s * m.qk_pos_emb_head_dim * x.e
 
 
 def attention_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     m, t = model, layout.tp
+    if m.multi_latent_attention:
+        return latent_attention_bytes(model, layout, x)
     q, kv, d = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim, m.head_dim
     tokens = x.s * x.b
     saved = tokens * (q + 2 * kv + q + kv + q) // t * x.e
@@ -92,9 +111,15 @@ def moe_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     tokens = x.s_norm * x.b if layout.tp > 1 else x.s * x.b  # each TP rank routes its own slice (SP)
     experts, k = m.num_experts, m.moe_router_topk
     sent = tokens * k if m.moe_expert_capacity_factor is None else expert_tokens(m, layout, tokens)
-    received = expert_tokens(m, layout, tokens)
+    # with expert-TP each rank's expert shards take the tokens of its whole expert-TP group (the dispatcher gathers them)
+    received = expert_tokens(m, layout, tokens) * (layout.etp or layout.tp)
     router = tokens * experts * FP32 + tokens * k * (INT64 + FP32) + tokens * experts * BOOL + experts * INT64
     router += FP32 * (m.moe_aux_loss_coeff > 0)
+    if m.moe_router_score_function == "sigmoid" and k > 1:
+        router += tokens * FP32  # the chosen scores' sum, which normalises them
+    if m.moe_router_num_groups:  # group-limited routing: each group's best scores, the chosen groups, the expert mask
+        groups, picked = m.moe_router_num_groups, m.moe_router_group_topk
+        router += tokens * (groups * (k // picked) + picked) * INT64 + tokens * experts * BOOL
     if m.moe_expert_capacity_factor is None:
         dispatch = sent * INT64 + tokens * experts * FP32
     else:

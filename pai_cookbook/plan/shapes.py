@@ -9,6 +9,9 @@ from pai_cookbook.core import families
 from pai_cookbook.core.model_config import ConfigError, ModelConfig
 
 _LLAMA3_ROPE = dict(rotary_base=500000.0)
+_QWEN3 = dict(family="qwen3", kv_channels=128, vocab_size=151936, max_position_embeddings=40960, rotary_base=1000000.0,
+              norm_epsilon=1e-6, qk_layernorm=True)
+_QWEN3_MOE = _QWEN3 | dict(family="qwen3_moe", num_experts=128, moe_router_topk=8, moe_aux_loss_coeff=0.001)
 
 SHAPES: dict[str, ModelConfig] = {
     "Llama-2-7B": ModelConfig(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
@@ -21,6 +24,30 @@ SHAPES: dict[str, ModelConfig] = {
                                 num_attention_heads=32, num_query_groups=8, kv_channels=64, vocab_size=128256,
                                 max_position_embeddings=131072, tie_word_embeddings=True, rope_scaling_factor=32.0,
                                 **_LLAMA3_ROPE),
+    "Llama-3.2-3B": ModelConfig(family="llama", num_layers=28, hidden_size=3072, ffn_hidden_size=8192,
+                                num_attention_heads=24, num_query_groups=8, kv_channels=128, vocab_size=128256,
+                                max_position_embeddings=131072, tie_word_embeddings=True, rope_scaling_factor=32.0,
+                                **_LLAMA3_ROPE),
+    "Qwen3-8B": ModelConfig(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
+                            num_query_groups=8, **_QWEN3),
+    "Qwen3-32B": ModelConfig(num_layers=64, hidden_size=5120, ffn_hidden_size=25600, num_attention_heads=64,
+                             num_query_groups=8, **_QWEN3),
+    "Qwen3-30B-A3B": ModelConfig(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                                 num_query_groups=4, moe_ffn_hidden_size=768, **_QWEN3_MOE),
+    "Qwen3-235B-A22B": ModelConfig(num_layers=94, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=64,
+                                   num_query_groups=4, moe_ffn_hidden_size=1536, **_QWEN3_MOE),
+    # without its multi-token-prediction layer (14B more), which the cookbook does not convert
+    "DeepSeek-V3": ModelConfig(family="deepseek_v3", num_layers=61, hidden_size=7168, ffn_hidden_size=18432,
+                               num_attention_heads=128, num_query_groups=128, kv_channels=192, vocab_size=129280,
+                               max_position_embeddings=163840, norm_epsilon=1e-6, qk_layernorm=True,
+                               multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                               qk_pos_emb_head_dim=64, v_head_dim=128,
+                               yarn={"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                               num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                               moe_shared_expert_intermediate_size=2048, moe_router_score_function="sigmoid",
+                               moe_router_enable_expert_bias=True, moe_router_num_groups=8, moe_router_group_topk=4,
+                               moe_router_topk_scaling_factor=2.5, moe_layer_freq=[0] * 3 + [1] * 58),
     "Qwen2.5-7B": ModelConfig(family="qwen2", num_layers=28, hidden_size=3584, ffn_hidden_size=18944,
                               num_attention_heads=28, num_query_groups=4, vocab_size=152064, add_qkv_bias=True,
                               max_position_embeddings=32768, rotary_base=1000000.0, norm_epsilon=1e-6),

@@ -71,10 +71,28 @@ def is_last(layout: Layout, pp_rank: int, chunk: int) -> bool:
     return chunk == (layout.vpp or 1) - 1 and pp_rank == layout.pp - 1
 
 
+def attention_params(m: ModelConfig, t: int) -> list[int]:
+    """One layer's attention tensors on a TP rank: the fused QKV (and its bias), q/k norms and the output projection;
+    or multi-latent attention's down projections (split over TP on the local spec), latent norms (whole on every rank),
+    up projections and output projection."""
+    h, bias = m.hidden_size, m.add_bias_linear
+    if m.multi_latent_attention:
+        heads = m.num_attention_heads // t
+        q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+        out = [(m.kv_lora_rank + m.qk_pos_emb_head_dim) // t * h, m.kv_lora_rank,
+               heads * (m.qk_head_dim + m.v_head_dim) * m.kv_lora_rank, heads * m.v_head_dim * h]
+        if m.q_lora_rank is None:
+            return out + [heads * q_head * h] + [h] * bias
+        return out + [m.q_lora_rank // t * h, m.q_lora_rank, heads * q_head * m.q_lora_rank] + [h] * bias
+    q, kv, d = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim, m.head_dim
+    return ([(q + 2 * kv) // t * h] + [(q + 2 * kv) // t] * (bias or m.add_qkv_bias) + [d, d] * m.qk_layernorm
+            + [q // t * h] + [h] * bias)
+
+
 def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -> ChunkParams:
     """The parameter tensors this chunk holds (see the module)."""
     m, t = model, layout.tp
-    h, q, kv, d = m.hidden_size, m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim, m.head_dim
+    h = m.hidden_size
     norm = [h, h] if m.normalization == "LayerNorm" else [h]
     bias = m.add_bias_linear
     gate = 2 if m.activation == "swiglu" else 1
@@ -87,8 +105,7 @@ def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -
         if m.position_embedding_type == "learned_absolute":
             dense.append(m.max_position_embeddings * h)
     for layer in chunk_layers(model, layout, pp_rank, chunk):
-        dense += norm + [(q + 2 * kv) // t * h] + [(q + 2 * kv) // t] * (bias or m.add_qkv_bias)
-        dense += [d, d] * m.qk_layernorm + [q // t * h] + [h] * bias + norm
+        dense += norm + attention_params(m, t) + norm
         if is_moe_layer(model, layer):
             etp, fm = layout.etp or t, m.moe_ffn_hidden_size or m.ffn_hidden_size
             dense.append(m.num_experts * h)  # router, whole on every rank
