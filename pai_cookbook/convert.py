@@ -82,8 +82,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, parallel: ParallelCon
         raise ConfigError(f"{source.folder} has no tokenizer files (one of {list(tokenizer.VOCABULARY_FILES)}): a "
                           f"checkpoint converted from it could neither generate nor prepare data. Copy the model's "
                           f"tokenizer files into the folder, or pass require_tokenizer=False to convert the weights alone.")
-    if parallel is not None:
-        layout.check(source.model, parallel, purpose="load")
+    layout.check(source.model, parallel or ParallelConfig(), purpose="load")
     job = ConvertJob(direction="hf2mcore", src=str(source.folder.resolve()), dst="", model=source.model,
                      drop_mtp=drop_mtp)
     return _write(job, Path(out), overwrite, run_dir, timeout_s)

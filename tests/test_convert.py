@@ -12,6 +12,7 @@ from pai_cookbook import convert, parity
 from pai_cookbook.core import checkpoint, families, layout
 from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.tiny_models import make_tiny_hf_model
+from tests.conftest import on_both_ends
 
 MOE = {f for f in families.supported() if families.tiny(f).is_moe}
 # (TP, PP, EP): the TP x PP grid for every family; EP=2 (alone and with TP=2) for the MoE families.
@@ -45,8 +46,7 @@ def test_logits_match_transformers_at_every_layout(family, converted, tmp_path):
         assert_parity(row)
 
 
-@pytest.mark.both_ends
-@pytest.mark.parametrize("family", families.supported())
+@pytest.mark.parametrize("family", [on_both_ends(f) for f in families.supported()])
 def test_round_trip_is_bitwise_identical_and_loadable(family, converted):
     hf, _, back = converted[family]
     # same names, dtypes and bytes for every tensor (a name on one side only counts as different)

@@ -130,3 +130,21 @@ def test_megatron_model_has_the_hf_parameter_count(family, run_scenario):
     result = run_scenario(tiny_run(family), 1, "param_counts")
     assert result["padded_vocab_size"] == 256
     assert result["params"] == hf_params
+
+
+@pytest.mark.both_ends
+def test_multi_latent_attention_runs_from_megatron_core_0_17():
+    """Refused before launch on 0.16 (no local MLA without Transformer Engine), accepted at every layout it divides from
+    0.17 on; a TP that splits the latents unevenly is named."""
+    from pai_cookbook.core import layout, versions
+    from pai_cookbook.core.config import ParallelConfig
+
+    model = families.tiny("deepseek_v3")
+    if versions.minor() < (0, 17):
+        with pytest.raises(ConfigError, match=r"multi-latent attention \(deepseek_v3\) on Megatron-Core 0\.16.*from 0\.17"):
+            layout.check(model, ParallelConfig(), purpose="load")
+        return
+    layout.check(model, ParallelConfig(tensor_model_parallel_size=2), purpose="load")
+    with pytest.raises(ConfigError, match=r"kv_lora_rank \+ qk_pos_emb_head_dim = 47 is not divisible by TP=2"):
+        layout.check(families.tiny("deepseek_v3", kv_lora_rank=31), ParallelConfig(tensor_model_parallel_size=2),
+                     purpose="load")

@@ -17,6 +17,7 @@ from pai_cookbook import generate, hf_baseline
 from pai_cookbook.core import checkpoint, families, launch
 from pai_cookbook.core.config import ConfigError, ParallelConfig
 from pai_cookbook.generate import GenerationConfig
+from tests.conftest import on_both_ends
 
 NEW_TOKENS = 32
 # Prompts of different lengths in one batch (left-padded to the longest, the padding masked), two batches,
@@ -62,9 +63,8 @@ def first_launch(checkpoints, tmp_path_factory):
     return {job.label: (job, result) for job, result in zip(jobs, results)}
 
 
-@pytest.mark.both_ends
 @pytest.mark.multiproc
-@pytest.mark.parametrize("family", families.supported())
+@pytest.mark.parametrize("family", [on_both_ends(f) for f in families.supported()])
 def test_greedy_equals_transformers_at_tp1_and_tp2(family, checkpoints, first_launch):
     hf, _ = checkpoints[family]
     job, _ = first_launch[f"{family} tp1"]

@@ -147,21 +147,20 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
 
 
 def _check_latent_attention(m: ModelConfig, tp: int, purpose: str) -> None:
-    """Multi-latent attention's down projections, whose outputs the local spec splits over TP ranks; and training at
-    TP > 1, whose rotary key gradient the cookbook sums over TP from Megatron-Core 0.17 on
-    (`core.attention.LatentSelfAttention` overrides the down projection, a method of its own from 0.17)."""
+    """Multi-latent attention: the Megatron-Core release, and the down projections, whose outputs the local spec splits
+    over TP ranks."""
     from pai_cookbook.core import versions
 
+    require(versions.minor() >= (0, 17),
+             f"multi-latent attention ({m.family}) on Megatron-Core {versions.megatron_core_version()}: the cookbook runs "
+             f"it from 0.17 on (0.16 builds it only with Transformer Engine, and its local spec trains the rotary key at "
+             f"TP > 1 from one rank's heads). Install megatron-core{versions.MEGATRON_CORE} at 0.17 or later.")
     kv = m.kv_lora_rank + m.qk_pos_emb_head_dim
     require(m.q_lora_rank is None or m.q_lora_rank % tp == 0,
              f"q_lora_rank {m.q_lora_rank} is not divisible by TP={tp} (the query latent is split over TP ranks). Use "
              f"TP in {divisors(m.q_lora_rank or 1)}.")
     require(kv % tp == 0, f"kv_lora_rank + qk_pos_emb_head_dim = {kv} is not divisible by TP={tp} (the key/value latent "
                           f"is split over TP ranks). Use TP in {divisors(kv)}.")
-    require(purpose != "train" or tp == 1 or versions.minor() >= (0, 17),
-             f"training multi-latent attention at TP={tp} on Megatron-Core {versions.megatron_core_version()}: its "
-             f"rotary key would learn from one TP rank's heads (the cookbook corrects that from 0.17 on). Train at "
-             f"TP=1 (EP and PP are fine), or install megatron-core>=0.17.")
 
 
 def _check_inference(p: ParallelConfig) -> None:
