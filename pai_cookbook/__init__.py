@@ -1,5 +1,6 @@
 """PAI Megatron Cookbook helper package: `core/` (the engine), the recipes, `workers/` (what torchrun runs)."""
 
+import logging
 import warnings
 
 from pai_cookbook.core import versions
@@ -11,3 +12,17 @@ versions.check()  # a Megatron-Core or torch outside the tested range is refused
 # notebook cell these repeated lines say nothing more. The launcher filters them in its workers likewise.
 for _message in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
     warnings.filterwarnings("ignore", message=_message)
+
+
+class _Unsaid(logging.Filter):
+    """Two start-up log lines that say nothing in a notebook cell: torch's "No CUDA runtime is found, using
+    CUDA_HOME=..." (its C++-extension module, which Megatron-Core imports, on every machine without CUDA) and Megatron-Core
+    0.19's "GPTModel IS DEPRECATED" (the cookbook builds GPTModel on purpose: it is the model every supported release
+    has)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(("No CUDA runtime is found", "GPTModel IS DEPRECATED"))
+
+
+for _logger in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"):
+    logging.getLogger(_logger).addFilter(_Unsaid())

@@ -3,7 +3,7 @@
 `RouterStats` (`core.router_stats`, which the training workers share) watches every Megatron-Core router of
 a model and turns each optimizer step into figures a user can act on: per MoE layer, the share of routed
 tokens each expert received, the auxiliary and z-losses Megatron-Core computed, and the tokens dropped by a
-capacity factor. `train.train` records them in the per-step logs of every MoE run.
+capacity factor. `workers.training.train` records them in the per-step logs of every MoE run.
 
 `upcycle(dense_ckpt, out, num_experts=8)` builds an MoE checkpoint from a dense one by copying the
 dense MLP into every expert (sparse upcycling, Komatsuzaki et al. 2022) with Megatron-Core's own

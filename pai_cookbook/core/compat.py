@@ -13,7 +13,7 @@ claims; CI runs it on both ends of `core.versions.MEGATRON_CORE`. docs/megatron-
 what is patched and why.
 
 What is *not* patched, because it is a choice rather than a bug: grouped GEMM for experts needs
-CUDA, so `pai_cookbook.model` picks Megatron-Core's SequentialMLP (a per-expert loop of matmuls, the
+CUDA, so `core.model` picks Megatron-Core's SequentialMLP (a per-expert loop of matmuls, the
 same function) on CPU; the flex token dispatcher needs DeepEP and is rejected by config validation.
 """
 

@@ -5,7 +5,7 @@ documented field here. `RunConfig` bundles the concerns, travels to the workers 
 (`to_json` / `from_json`), and `RunConfig.validate(world_size, device)` checks the cross-field rules
 (parallel layout against model shape and world size, precision against the hardware) so that a bad
 layout fails in the notebook cell, with the fix, and not minutes later inside rank 3's log.
-The model's own architecture, `ModelConfig`, lives in `pai_cookbook.model_config` and is re-exported here.
+The model's own architecture, `ModelConfig`, lives in `core.model_config` and is re-exported here.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The model's architecture as one validated dataclass, and the error every cookbook config raises.
 
 `ModelConfig` describes a decoder-only transformer in Megatron-Core's vocabulary (dense or MoE);
-`pai_cookbook.families` fills it from a Hugging Face `config.json`, `pai_cookbook.model` turns it into
+`core.families` fills it from a Hugging Face `config.json`, `core.model` turns it into
 a Megatron-Core `TransformerConfig`. The run-side concerns (layout, precision, optimizer, data,
-checkpoints) are in `pai_cookbook.config`, which re-exports both names.
+checkpoints) are in `core.config`, which re-exports both names.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ def positive(obj: Any, *names: str) -> None:
 class ModelConfig:
     """Architecture of a decoder-only transformer, in Megatron-Core's vocabulary.
 
-    `pai_cookbook.families` fills this from a Hugging Face `config.json`; the defaults describe a
+    `core.families` fills this from a Hugging Face `config.json`; the defaults describe a
     Llama-style model (RMSNorm, SwiGLU, rotary, no biases, untied embeddings).
     """
 
     family: str = "llama"
-    """Registry name of the model family (see `pai_cookbook.families.FAMILIES`)."""
+    """Registry name of the model family (see `core.families.FAMILIES`)."""
     num_layers: int
     """Transformer layers."""
     hidden_size: int

@@ -64,7 +64,7 @@ def sample(engine, job: RLJob, prompt_ids: list[list[int]], prompts: list[int], 
            step: int) -> list[dict[str, Any]]:
     """`group_size` completions of each of `prompts` (indices into `prompt_ids`) from the engine, its sampling
     seeded by `seed`: tokens (the end token included when one ended it), the log-probability of each under
-    the engine's logits (`workers.generate.token_logprobs`) and the entropy of the distribution it came from."""
+    the engine's logits (`workers.engine.token_logprobs`) and the entropy of the distribution it came from."""
     from megatron.core.inference.sampling_params import SamplingParams
 
     controller = engine.controller
