@@ -44,6 +44,9 @@ def test_logits_match_transformers_at_every_layout(family, converted, tmp_path):
     assert [(r["tp"], r["pp"], r["ep"]) for r in rows] == layouts
     for row in rows:
         assert_parity(row)
+        # the tiny fp32 models' own bound (issue 51; measured at most 3.0e-7 on 0.19.2): a real model's depth grows the
+        # rounding differences, which assert_parity's 1e-4 allows for
+        assert row["max_abs_diff"] <= 1e-5, row
 
 
 @pytest.mark.parametrize("family", [on_both_ends(f) for f in families.supported()])
