@@ -104,6 +104,8 @@ BAD_FIELDS = [
     ("sinkhorn with an aux loss", lambda: families.tiny("mixtral", moe_router_topk=1,
                                                         moe_router_load_balancing_type="sinkhorn"),
      r"sinkhorn balances by assignment and refuses an aux loss; set moe_aux_loss_coeff=0 \(got 0.001\)"),
+    ("experts in no layer", lambda: families.tiny("deepseek_v3", moe_layer_freq=[0, 0]),
+     r"num_experts 16 with no MoE layer \(moe_layer_freq \[0, 0\]\)"),
     ("expert bias with softmax scores", lambda: families.tiny("mixtral", moe_router_enable_expert_bias=True),
      r"moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid'"),
     ("capacity factor with sinkhorn", lambda: families.tiny(

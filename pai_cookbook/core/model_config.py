@@ -177,6 +177,9 @@ class ModelConfig:
                  f"moe_aux_loss_coeff {self.moe_aux_loss_coeff} and moe_z_loss_coeff {self.moe_z_loss_coeff} must "
                  f"be >= 0 (a negative weight rewards imbalance); use 0 to switch a loss off.")
         if self.num_experts is not None:
+            require(not isinstance(self.moe_layer_freq, list) or any(self.moe_layer_freq),
+                     f"num_experts {self.num_experts} with no MoE layer (moe_layer_freq {self.moe_layer_freq}); make at "
+                     f"least one layer MoE, or set num_experts=None for a dense model.")
             require(self.moe_router_topk <= self.num_experts,
                      f"moe_router_topk {self.moe_router_topk} exceeds num_experts {self.num_experts}; "
                      f"a token cannot be routed to more experts than exist.")
