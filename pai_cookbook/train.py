@@ -43,6 +43,7 @@ from pai_cookbook.core.config import (
     PrecisionConfig,
     RunConfig,
 )
+from pai_cookbook.core.failures import WorkerError
 from pai_cookbook.core.jobs import Sweep
 
 
@@ -173,12 +174,21 @@ def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "ru
 @contextlib.contextmanager
 def writing(configs: list[RunConfig], run_dir: str | Path) -> Iterator[None]:
     """Hold the locks of the folders these runs write (`core.lock`), on node 0 (a multi-node job's other nodes
-    write what node 0's launch directs): a second writer is refused before its checks delete anything."""
+    write what node 0's launch directs): a second writer is refused before its checks delete anything. A worker that
+    fails where a folder's disk is full is said to have (`checkpoint.disk_full`), naming the folder."""
+    folders = [run_dir] + [c.checkpoint.save_dir for c in configs if c.checkpoint.save_dir]
     with contextlib.ExitStack() as stack:
         if runtime.detect_launch_env().node_rank == 0:
-            for folder in [run_dir] + [c.checkpoint.save_dir for c in configs if c.checkpoint.save_dir]:
+            for folder in folders:
                 stack.enter_context(lock.hold(folder, "training"))
-        yield
+        try:
+            yield
+        except WorkerError as err:  # a worker that failed on a full disk: said as such, with the folder
+            for folder in reversed(folders):
+                said = checkpoint.disk_full(err, Path(folder))
+                if said is not err:
+                    raise said from err
+            raise
 
 
 def sweep(runs: Mapping[str, RunConfig], *, nproc_per_node: int = 1, run_dir: str | Path = "runs/sweep",

@@ -294,21 +294,6 @@ def test_a_bad_input_is_refused_with_the_input_and_the_fix(case, files, tok, no_
     assert not (files / "set").exists() and not (files / "ds.bin").exists() or case.startswith("data.describe")
 
 
-def test_a_full_disk_while_an_sft_set_is_written_names_the_folder_and_keeps_nothing(files, tok, monkeypatch):
-    import errno
-
-    import safetensors.torch
-
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
-    with pytest.raises(OSError, match=r"No space left on device while writing the SFT set .*set.partial \(\d+ bytes "
-                                      r"free\); nothing was kept"):
-        _sft(files, tok)
-    assert not (files / "set").exists() and not (files / "set.partial").exists()
-
-
 def test_a_metrics_log_whose_last_line_was_cut_by_a_kill_reads_the_steps_before_it(tmp_path):
     from pai_cookbook import train
 

@@ -155,7 +155,9 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
     torch.distributed.barrier()
     try:
         dist_checkpointing.save(tree, str(partial))
-    except Exception as err:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch's CheckpointException is not an Exception
         said = disk_full(err, partial)
         if said is err:
             raise
@@ -176,15 +178,16 @@ DISK_FULL_BYTES = 64 * 2**20
 """Free space under which a failed save is taken for a full disk."""
 
 
-def disk_full(err: BaseException, folder: Path) -> BaseException:
-    """A save that failed on a full disk, said as such with the folder: torch_dist's writer reports one as
-    "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598". Any other error is returned as it is."""
+def disk_full(err: BaseException, folder: Path, then: str = "a re-run resumes from the last finished checkpoint"
+              ) -> BaseException:
+    """A save that failed on a full disk, said as such with the folder and `then` (what a re-run does): torch_dist's
+    writer reports one as "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598". Any other error is
+    returned as it is."""
     where = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(where).free
     if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or free < DISK_FULL_BYTES:
         return OSError(errno.ENOSPC, f"No space left on device while saving {folder} ({free:,} bytes free there; "
-                                     f"{type(err).__name__}: {str(err)[:200]}). Free space or save elsewhere; a "
-                                     f"re-run resumes from the last finished checkpoint")
+                                     f"{type(err).__name__}: {str(err)[:200]}). Free space or save elsewhere; {then}")
     return err
 
 

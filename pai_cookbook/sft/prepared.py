@@ -3,7 +3,6 @@ chat_template.jinja), checked before any worker starts; what `DataConfig(source=
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pai_cookbook import chat_template as chat
-from pai_cookbook.core import inputs, nodes
+from pai_cookbook.core import checkpoint, inputs, nodes
 from pai_cookbook.core.sft_data import SUMMARY, SFTError, describe
 from pai_cookbook.sft.audit import audit
 from pai_cookbook.sft.records import TEMPLATES, Sample, checked_messages, encode_all, read, template_text
@@ -130,10 +129,11 @@ def write(out_dir: str | Path, split: dict[str, Sequence[Sample]], seq_length: i
         summary = _write_splits(partial, split, seq_length, pad_id, packed, meta)
     except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-            raise OSError(err.errno, f"No space left on device while writing the SFT set {partial} "
-                                     f"({shutil.disk_usage(partial.parent).free} bytes free); nothing was kept. Free "
-                                     f"space or give another out_dir.") from err
+        # a full disk (an OSError, or safetensors' SafetensorError) said as such, with the folder
+        said = err if isinstance(err, KeyboardInterrupt | SystemExit) else checkpoint.disk_full(
+            err, partial, then="nothing was kept; give another out_dir")
+        if said is not err:
+            raise said from err
         raise
     old = out_dir.with_name(out_dir.name + ".old")
     if out_dir.exists():  # derived data: a new preparation replaces the old one whole

@@ -1,0 +1,70 @@
+"""A disk that fills while the cookbook writes: every writer (conversion both ways, a training checkpoint, an SFT set)
+says the disk is full and names the folder, and leaves nothing a later run loads. On a real full disk: a tmpfs of a
+few kilobytes mounted for the test, where each writer meets the error the OS and its library really give (torch_dist's
+"unexpected pos", safetensors' SafetensorError, torch's CheckpointException, which is not an Exception). Mounting needs
+root; elsewhere these tests are skipped with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+
+import pytest
+
+from pai_cookbook import convert
+from pai_cookbook.core import checkpoint
+from pai_cookbook.core.config import CheckpointConfig
+from tests.conftest import tiny_run
+
+FULL = r"(?s)No space left on device while saving \S*{where} \([\d,]+ bytes free there; .*\)\. Free space or save elsewhere; "
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A mounted tmpfs of `size` (a callable: size -> folder), unmounted after the test."""
+    mounts = []
+
+    def make(size: str):
+        folder = tmp_path / f"disk{len(mounts)}"
+        folder.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): the full-disk tests need root")
+        mounts.append(folder)
+        return folder
+
+    yield make
+    for folder in mounts:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def test_both_conversions_say_the_disk_is_full_and_publish_nothing(converted, small_disk):
+    hf, ckpt, _ = converted["llama"]
+    disk = small_disk("64k")
+    for _ in range(2):  # the second meets what the first left (its lock file), as a user's re-run would
+        with pytest.raises(OSError, match=FULL.format(where="mcore.partial") + "nothing of mcore is left half-written"):
+            convert.hf_to_megatron(hf, disk / "mcore")
+        with pytest.raises(OSError, match=FULL.format(where="hf.partial") + "nothing of hf is left half-written"):
+            convert.megatron_to_hf(ckpt, disk / "hf")
+        assert sorted(p.name for p in disk.iterdir() if not p.name.startswith(".")) == []
+
+
+def test_a_training_checkpoint_on_a_full_disk_is_said_so_and_never_loadable(small_disk, tmp_path):
+    disk = small_disk("64k")
+    config = dataclasses.replace(tiny_run(), checkpoint=CheckpointConfig(save_dir=str(disk / "run"), save_interval=2))
+    from pai_cookbook import train
+
+    with pytest.raises(OSError, match=FULL.format(where="run") + "a re-run resumes from the last finished"):
+        train.run(config, run_dir=tmp_path / "logs", show_progress=False, echo=False)
+    assert checkpoint.finished_iterations(disk / "run") == []  # the half-written save is a .partial folder
+
+
+def test_an_sft_set_on_a_full_disk_is_said_so_and_nothing_is_kept(small_disk):
+    from pai_cookbook import sft, smollm2
+    from tests.test_bad_inputs import CHAT
+
+    disk = small_disk("8k")
+    with pytest.raises(OSError, match=FULL.format(where="set.partial") + "nothing was kept; give another out_dir"):
+        sft.prepare([{"messages": CHAT}] * 64, disk / "set", smollm2.hf_folder(), seq_length=64, template="chatml")
+    assert sorted(p.name for p in disk.iterdir() if not p.name.startswith(".")) == []
