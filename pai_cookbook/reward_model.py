@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, inputs, layout, runtime, tokenizer
+from pai_cookbook.core import checkpoint, inputs, layout, tokenizer
 from pai_cookbook.core.config import (
     ConfigError,
     DataConfig,
@@ -121,14 +121,11 @@ def train(base: str | Path, pairs: Sequence[dict[str, Any]], config: RewardModel
     run_dir/metrics.jsonl has the per-step figures (`rlhf.history` reads it).
     """
     from pai_cookbook import train as training
-    from pai_cookbook.core import launch
 
     job = prepare(base, pairs, config or RewardModelConfig(), valid=valid, parallel=parallel, save_dir=save_dir,
                   overwrite=overwrite)
-    world = runtime.detect_launch_env().world_size(nproc_per_node)
-    job.check(world, runtime.detect_device())
-    training.preflight(job.run, world)
-    return launch.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+    return training.launch_training(job, [job.run], job.check, nproc_per_node=nproc_per_node, run_dir=run_dir,
+                                    **launch_kwargs)
 
 
 def length_baseline(pairs: Sequence[dict[str, Any]]) -> float:

@@ -27,7 +27,7 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,11 +164,30 @@ def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "ru
     Every entry point (this function, the CLI, notebooks) checks the same things before launch:
     the layout against the model and world (`RunConfig.validate`), then the files (`preflight`).
     """
+    return launch_training(config, [config], config.validate, nproc_per_node=nproc_per_node, run_dir=run_dir,
+                           **launch_kwargs)
+
+
+def launch_training(job, runs: list[RunConfig], check: Callable[[int, Any], None], *, nproc_per_node: int,
+                    run_dir: str | Path, before: Callable[[], None] | None = None,
+                    after: Callable[[], None] | None = None, **launch_kwargs: Any) -> dict[str, Any]:
+    """The one way a training job starts (`run`, `sweep`, `rlhf`'s GRPO and PPO, `reward_model.train`), in this order:
+    `check(world, device)` (the job against the world and this machine, once), the locks of every folder the runs
+    write (`writing`: a second writer is refused before anything is deleted; a full disk is said as such), `before()`,
+    each run's `preflight` (its files, and the resume rule: a damaged latest checkpoint set aside, a finished run's
+    history read, an occupied save_dir refused or emptied as asked), `after()`, then the launch.
+
+    Returns rank 0's result."""
     world = runtime.detect_launch_env().world_size(nproc_per_node)
-    config.validate(world, runtime.detect_device())
-    with writing([config], run_dir):
-        preflight(config, world)
-        return launcher.launch(config, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+    check(world, runtime.detect_device())
+    with writing(runs, run_dir):
+        if before is not None:
+            before()
+        for config in runs:
+            preflight(config, world)
+        if after is not None:
+            after()
+        return launcher.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
 
 
 @contextlib.contextmanager
@@ -210,13 +229,14 @@ def sweep(runs: Mapping[str, RunConfig], *, nproc_per_node: int = 1, run_dir: st
     if clashes:
         raise ConfigError(f"sweep run names {sorted(runs)} give the same or an empty folder name "
                           f"({sorted(clashes)}); name the runs so that their letters and digits differ.")
-    world = runtime.detect_launch_env().world_size(nproc_per_node)
     job = Sweep(names=list(runs), folders=list(folders.values()), runs=list(runs.values()))
-    with writing(list(runs.values()), run_dir):
+
+    def check(world: int, device: Any) -> None:
         for config in runs.values():
-            config.validate(world, runtime.detect_device())
-            preflight(config, world)
-        result = launcher.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+            config.validate(world, device)
+
+    result = launch_training(job, list(runs.values()), check, nproc_per_node=nproc_per_node, run_dir=run_dir,
+                             **launch_kwargs)
     return {name: run | {"layers": result["layers"]} for name, run in zip(runs, result["runs"])}
 
 

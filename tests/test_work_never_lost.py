@@ -101,8 +101,9 @@ def _holder(folder, tmp_path) -> subprocess.Popen:
 
 
 def test_a_second_writer_of_a_folder_is_refused_before_it_touches_it(tmp_path):
-    """Training into a save_dir or a run folder another process writes, and converting into an output another
-    process writes, are refused before any check deletes anything (a `.partial` of the first writer survives)."""
+    """Training (a run, a reward model) into a save_dir or a run folder another process writes, and converting into an
+    output another process writes, are refused before any check deletes anything (a `.partial` of the first writer
+    survives)."""
     from pai_cookbook import convert
     from pai_cookbook.tiny_models import make_tiny_hf_model
 
@@ -121,6 +122,16 @@ def test_a_second_writer_of_a_folder_is_refused_before_it_touches_it(tmp_path):
         with pytest.raises(lock.FolderInUse, match=rf"converted is being written by pid {holders[2].pid}"):
             convert.hf_to_megatron(hf, out)
         assert not out.exists() and not (tmp_path / "converted.partial").exists()
+        # a reward model takes the one training launch, locks and all (it took none before)
+        from pai_cookbook import reward_model
+        from tests.test_reward_model import PAIRS
+
+        base = tmp_path / "base"
+        convert.hf_to_megatron(hf, base)
+        with pytest.raises(lock.FolderInUse, match=rf"ckpt is being written by pid {pid}"):
+            reward_model.train(base, PAIRS[:8], reward_model.RewardModelConfig(steps=1, global_batch_size=8),
+                               save_dir=save_dir, run_dir=tmp_path / "rm_run", **QUIET)
+        assert (save_dir / "iter_0000002.partial").exists() and not (tmp_path / "rm_run").exists()
     finally:
         for proc in holders:
             proc.kill()

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, damage, inputs, runtime
+from pai_cookbook.core import checkpoint, damage, inputs
 from pai_cookbook.core.config import (
     ConfigError,
     ParallelConfig,
@@ -62,17 +62,12 @@ def ppo(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward: str
 def _run(policy, prompts, reward, config: GRPOConfig, *, nproc_per_node: int, run_dir, critic=None, reference=None,
          eval_prompts=None, true_reward=None, parallel=None, save_dir=None, overwrite=False, **launch_kwargs):
     from pai_cookbook import train
-    from pai_cookbook.core import launch
 
     job = prepare(policy, prompts, reward, config, reference=reference, critic=critic, eval_prompts=eval_prompts,
                   true_reward=true_reward, parallel=parallel, save_dir=save_dir, overwrite=overwrite)
-    world = runtime.detect_launch_env().world_size(nproc_per_node)
-    job.check(world, runtime.detect_device())
-    with train.writing([job.run], run_dir):
-        pair_critic(job)
-        train.preflight(job.run, world)
-        _check_resumed_reward(job)
-        return launch.launch(job, nproc_per_node=nproc_per_node, run_dir=run_dir, **launch_kwargs)
+    return train.launch_training(job, [job.run], job.check, nproc_per_node=nproc_per_node, run_dir=run_dir,
+                                 before=lambda: pair_critic(job), after=lambda: _check_resumed_reward(job),
+                                 **launch_kwargs)
 
 
 def pair_critic(job: RLJob) -> None:
