@@ -31,6 +31,7 @@ from pai_cookbook.core.config import (
     DataConfig,
     OptimizerConfig,
     ParallelConfig,
+    RunConfig,
 )
 from pai_cookbook.core.inputs import prompt_text
 from pai_cookbook.core.jobs import RewardModelJob
@@ -77,7 +78,6 @@ def prepare(base: str | Path, pairs: Sequence[dict[str, Any]], config: RewardMod
             save_dir: str | Path | None = None, overwrite: bool = False) -> RewardModelJob:
     """Check everything about a reward-model run and tokenize its pairs; no worker starts."""
     from pai_cookbook import generate
-    from pai_cookbook import train as training
 
     base = generate.resolve_checkpoint(base, language_model=False)  # a reward model may continue training
     model, dtype = checkpoint.read_config(base)
@@ -98,7 +98,7 @@ def prepare(base: str | Path, pairs: Sequence[dict[str, Any]], config: RewardMod
     if longest > model.max_position_embeddings:
         raise ConfigError(f"a pair encodes to {longest} tokens, over the model's {model.max_position_embeddings} "
                           f"positions; shorten it.")
-    run = training.continuing(
+    run = RunConfig.from_checkpoint(
         base, parallel=parallel, save_dir=save_dir, overwrite=overwrite, train_iters=config.steps, seed=config.seed,
         optimizer=OptimizerConfig(lr=config.lr, min_lr=config.lr / 10, lr_warmup_iters=config.warmup_steps,
                                   weight_decay=config.weight_decay, clip_grad=config.clip_grad),

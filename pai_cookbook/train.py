@@ -35,12 +35,7 @@ from pai_cookbook import data, sft
 from pai_cookbook.core import checkpoint, cli, damage, inputs, layout, lock, nodes, runtime
 from pai_cookbook.core import launch as launcher
 from pai_cookbook.core.config import (
-    CheckpointConfig,
     ConfigError,
-    DataConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    PrecisionConfig,
     RunConfig,
 )
 from pai_cookbook.core.failures import WorkerError
@@ -142,19 +137,6 @@ _TRAINING_ONLY = {"hidden_dropout", "attention_dropout", "init_method_std", "moe
                   "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity"}
 
 
-
-
-def continuing(start: str | Path, *, optimizer: OptimizerConfig, data: DataConfig, train_iters: int, seed: int,
-               parallel: ParallelConfig, save_dir: str | Path | None, save_interval: int = 0,
-               overwrite: bool = False) -> RunConfig:
-    """The run that trains on from the checkpoint `start` (a reward model's, GRPO/PPO's policy and critic): its
-    model and precision are the checkpoint's own; a re-run into `save_dir` resumes unless `overwrite`."""
-    model, dtype = checkpoint.read_config(start)
-    return RunConfig(model=model, parallel=parallel, precision=PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype]),
-                     optimizer=optimizer, data=data, train_iters=train_iters, seed=seed,
-                     checkpoint=CheckpointConfig(load_dir=str(start), save_dir=str(save_dir) if save_dir else None,
-                                                 save_interval=save_interval, overwrite=overwrite,
-                                                 resume=not overwrite))
 
 
 def run(config: RunConfig, *, nproc_per_node: int = 1, run_dir: str | Path = "runs/train",

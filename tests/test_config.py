@@ -218,3 +218,18 @@ def test_token_budget_becomes_steps():
     assert config.train_iters == 196 and config.optimizer.lr_warmup_iters == 20  # ceil(100000 / 512), 10240 / 512
     with pytest.raises(ConfigError, match=r"train_tokens 100 is less than one step of 512 tokens"):
         with_token_budget(base, train_tokens=100)
+
+
+def test_a_run_from_a_checkpoint_takes_its_model_and_precision_and_resumes_unless_overwritten(converted, tmp_path):
+    from pai_cookbook.core import checkpoint
+    from pai_cookbook.core.config import DataConfig, RunConfig
+
+    ckpt = converted["qwen2"][1]
+    run = RunConfig.from_checkpoint(ckpt, save_dir=tmp_path / "next", train_iters=3,
+                                    data=DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=4))
+    model, dtype = checkpoint.read_config(ckpt)
+    assert run.model == model and run.precision.dtype == checkpoint.DTYPE_NAMES[dtype] and run.train_iters == 3
+    assert (run.checkpoint.load_dir, run.checkpoint.save_dir, run.checkpoint.resume) == (
+        str(ckpt), str(tmp_path / "next"), True)
+    fresh = RunConfig.from_checkpoint(ckpt, save_dir=tmp_path / "next", overwrite=True)
+    assert fresh.checkpoint.overwrite and not fresh.checkpoint.resume

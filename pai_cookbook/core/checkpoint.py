@@ -24,14 +24,12 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint_format, inputs, tokenizer
-from pai_cookbook.core.config import ModelConfig
+from pai_cookbook.core import checkpoint_format, tokenizer
+from pai_cookbook.core.checkpoint_config import CONFIG_FILE, DTYPE_NAMES, PARTIAL_SUFFIX, description, read_config  # noqa: F401
+from pai_cookbook.core.model_config import ModelConfig
 
-CONFIG_FILE = "pai_cookbook.json"
 HF_ASSETS = "hf_assets"
-PARTIAL_SUFFIX = ".partial"
 ASSET_FILES = ("config.json", "generation_config.json") + tokenizer.FILES
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def check_writable(out: str | Path, overwrite: bool, how_to_overwrite: str = "overwrite=True") -> None:
@@ -104,23 +102,6 @@ def publish(partial: Path, out: str | Path) -> Path:
 def write_config(folder: Path, model: ModelConfig, dtype: torch.dtype, **provenance: Any) -> None:
     (folder / CONFIG_FILE).write_text(json.dumps(
         {"model": asdict(model), "dtype": DTYPE_NAMES[dtype], "format": "torch_dist"} | provenance, indent=2))
-
-
-def read_config(ckpt: str | Path) -> tuple[ModelConfig, torch.dtype]:
-    """The ModelConfig and dtype a cookbook checkpoint describes itself with."""
-    path = Path(ckpt) / CONFIG_FILE
-    if not path.exists():
-        hint = " (a .partial folder is an unfinished write)" if str(ckpt).endswith(PARTIAL_SUFFIX) else ""
-        raise FileNotFoundError(f"{ckpt} has no {CONFIG_FILE}: not a checkpoint written by the cookbook"
-                                f"{hint}; convert.hf_to_megatron and train.run write them.")
-    data = description(ckpt)
-    return ModelConfig(**data["model"]), {v: k for k, v in DTYPE_NAMES.items()}[data["dtype"]]
-
-
-def description(ckpt: str | Path) -> dict[str, Any]:
-    """The checkpoint's `pai_cookbook.json` (model, dtype, provenance, the run that saved it)."""
-    return inputs.read_json(Path(ckpt) / CONFIG_FILE, what="checkpoint description",
-                            fix="Its checkpoint cannot be used: convert or train it again, or use an earlier one.")
 
 
 def copy_assets(src: Path, dst: Path) -> list[str]:

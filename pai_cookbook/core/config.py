@@ -14,6 +14,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pai_cookbook.core import layout
@@ -304,6 +305,20 @@ class RunConfig(Job):
         require(self.data.seq_length <= self.model.max_position_embeddings,
                  f"seq_length {self.data.seq_length} exceeds the model's max_position_embeddings "
                  f"{self.model.max_position_embeddings}; shorten seq_length.")
+
+    @classmethod
+    def from_checkpoint(cls, start: str | Path, *, save_dir: str | Path | None = None, save_interval: int = 0,
+                        overwrite: bool = False, **fields: Any) -> RunConfig:
+        """The run that trains on from the checkpoint `start` (a reward model's base, GRPO/PPO's policy and critic, any
+        continued training): its model and precision are the checkpoint's own (`core.checkpoint_config.read_config`),
+        `fields` set the rest (optimizer, data, train_iters, seed, parallel, ...); a re-run into `save_dir` resumes
+        unless `overwrite`."""
+        from pai_cookbook.core.checkpoint_config import DTYPE_NAMES, read_config
+
+        model, dtype = read_config(start)
+        return cls(model=model, precision=PrecisionConfig(dtype=DTYPE_NAMES[dtype]), **fields,
+                   checkpoint=CheckpointConfig(load_dir=str(start), save_dir=str(save_dir) if save_dir else None,
+                                               save_interval=save_interval, overwrite=overwrite, resume=not overwrite))
 
     def validate(self, world_size: int, device: Any = None) -> None:
         """Check the layout against the model and the world size (`layout.check`), the batch against the

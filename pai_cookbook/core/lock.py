@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pai_cookbook.core.config import ConfigError
+from pai_cookbook.core.model_config import ConfigError
 
 
 class FolderInUse(ConfigError):

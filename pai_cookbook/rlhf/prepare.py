@@ -13,6 +13,7 @@ from pai_cookbook.core.config import (
     DataConfig,
     OptimizerConfig,
     ParallelConfig,
+    RunConfig,
 )
 from pai_cookbook.core.inputs import prompt_text
 from pai_cookbook.core.jobs import RLJob
@@ -73,7 +74,7 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
             parallel: ParallelConfig | None = None, save_dir: str | Path | None = None,
             overwrite: bool = False) -> RLJob:
     """Check everything about a GRPO or PPO run (`config` decides) and tokenize its prompts; no worker starts."""
-    from pai_cookbook import generate, train
+    from pai_cookbook import generate
 
     reward = str(reward)
     policy = generate.resolve_checkpoint(policy)
@@ -115,12 +116,12 @@ def prepare(policy: str | Path, prompts: Sequence[str | dict[str, Any]], reward:
                       global_batch_size=config.rows)
     steps = {"train_iters": config.steps, "seed": config.seed, "parallel": parallel, "data": data,
              "save_interval": config.saves_every, "overwrite": overwrite}
-    run = train.continuing(policy, optimizer=optimizer_for(config, config.lr), save_dir=save_dir, **steps)
+    run = RunConfig.from_checkpoint(policy, optimizer=optimizer_for(config, config.lr), save_dir=save_dir, **steps)
     critic_run = None
     if isinstance(config, PPOConfig):
         start = generate.resolve_checkpoint(critic, language_model=False) if critic else reward_model or policy
         same_tokenizer(policy, start, "critic")
-        critic_run = train.continuing(start, optimizer=optimizer_for(config, config.critic_lr or config.lr),
+        critic_run = RunConfig.from_checkpoint(start, optimizer=optimizer_for(config, config.critic_lr or config.lr),
                                       save_dir=Path(save_dir) / CRITIC if save_dir else None, **steps)
         scalar_heads.append(critic_run.model)
     elif critic:
