@@ -102,14 +102,13 @@ def grouped_sigmoid_router(hf: Any) -> dict[str, Any]:
 
 
 def grouped_sigmoid_router_hf(m: ModelConfig) -> dict[str, Any]:
-    freq = m.moe_layer_freq
-    pattern = [1] * m.num_layers if freq == 1 else freq
-    dense = pattern.index(1) if isinstance(pattern, list) and 1 in pattern else None
+    flags = m.moe_flags
+    dense = flags.index(True) if any(flags) else None
     shared = m.moe_shared_expert_intermediate_size or 0
-    if dense is None or pattern != [0] * dense + [1] * (m.num_layers - dense) or shared % m.moe_ffn_hidden_size:
+    if dense is None or flags != [False] * dense + [True] * (m.num_layers - dense) or shared % m.moe_ffn_hidden_size:
         raise ConfigError(f"{m.family} places dense layers first only (first_k_dense_replace) and shared experts as a "
-                          f"whole number of routed experts' widths; moe_layer_freq={freq} and shared width {shared} "
-                          f"(expert width {m.moe_ffn_hidden_size}) cannot be written.")
+                          f"whole number of routed experts' widths; moe_layer_freq={m.moe_layer_freq} and shared width "
+                          f"{shared} (expert width {m.moe_ffn_hidden_size}) cannot be written.")
     return {"n_routed_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
             "moe_intermediate_size": m.moe_ffn_hidden_size, "n_shared_experts": shared // m.moe_ffn_hidden_size,
             "n_group": m.moe_router_num_groups or 1, "topk_group": m.moe_router_group_topk or 1,
@@ -159,10 +158,7 @@ def moe_layers(hf: Any) -> int | list[int]:
 
 
 def moe_layers_hf(model: ModelConfig) -> dict[str, Any]:
-    freq = model.moe_layer_freq
-    pattern = [1] * model.num_layers if freq == 1 else (
-        freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(model.num_layers)])
-    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe]}
+    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, moe in enumerate(model.moe_flags) if not moe]}
 
 
 def glm4_moe_read(hf: Any) -> dict[str, Any]:

@@ -173,12 +173,12 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not model.tie_word_embeddings:
         shapes["lm_head.weight"] = (model.vocab_size, h)
     names = _MOE_NAMES.get(model.family, _DENSE_NAMES)
-    freq = model.moe_layer_freq
+    flags = model.moe_flags
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         shapes |= _mla_shapes(model, p) if model.multi_latent_attention else _attention_shapes(model, p)
-        is_moe = model.is_moe and (freq[i] if isinstance(freq, list) else i % freq == 0)
+        is_moe = model.is_moe and flags[i]
         if not is_moe:
             f = model.ffn_hidden_size
             shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),

@@ -298,8 +298,7 @@ def training_flops_per_token(model: ModelConfig, seq_length: int) -> float:
         scores = 2 * seq_length * (q + v)
     dense_mlp = gated * h * model.ffn_hidden_size
     if model.is_moe:
-        freq = model.moe_layer_freq
-        moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))
+        moe_layers = sum(model.moe_flags)
         moe_mlp = (model.moe_router_topk * gated * h * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
                    + gated * h * (model.moe_shared_expert_intermediate_size or 0) + h * model.num_experts)
         mlp_total = moe_layers * moe_mlp + (layers - moe_layers) * dense_mlp

@@ -177,7 +177,7 @@ class ModelConfig:
                  f"moe_aux_loss_coeff {self.moe_aux_loss_coeff} and moe_z_loss_coeff {self.moe_z_loss_coeff} must "
                  f"be >= 0 (a negative weight rewards imbalance); use 0 to switch a loss off.")
         if self.num_experts is not None:
-            require(not isinstance(self.moe_layer_freq, list) or any(self.moe_layer_freq),
+            require(any(self.moe_flags),
                      f"num_experts {self.num_experts} with no MoE layer (moe_layer_freq {self.moe_layer_freq}); make at "
                      f"least one layer MoE, or set num_experts=None for a dense model.")
             require(self.moe_router_topk <= self.num_experts,
@@ -234,6 +234,15 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def moe_flags(self) -> list[bool]:
+        """Which layers are MoE by `moe_layer_freq` (every n-th from the first, or one 0/1 flag per layer), one per
+        layer; said of the pattern, whether or not the model has experts."""
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            return [bool(f) for f in freq]
+        return [i % freq == 0 for i in range(self.num_layers)]
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         """Embedding rows after padding to a multiple of make_vocab_size_divisible_by x TP."""

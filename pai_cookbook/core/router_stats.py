@@ -18,11 +18,8 @@ AUX_LOSS_NAMES = {"load_balancing_loss": "aux_loss", "seq_load_balancing_loss": 
 
 
 def moe_layer_flags(model: ModelConfig) -> list[bool]:
-    """Which layers are MoE, by `moe_layer_freq` (an interval, or one 0/1 flag per layer)."""
-    freq = model.moe_layer_freq
-    if isinstance(freq, list):
-        return [bool(f) for f in freq]
-    return [i % freq == 0 for i in range(model.num_layers)]
+    """Which layers are MoE, by `moe_layer_freq` (an interval, or one 0/1 flag per layer): `ModelConfig.moe_flags`."""
+    return model.moe_flags
 
 
 class RouterStats:
