@@ -162,7 +162,7 @@ def _write(job: ConvertJob, out: Path, overwrite: bool, run_dir: str | Path | No
 
     with checkpoint.writing(out, overwrite) as partial:
         job.dst = str(partial.resolve())
-        try:
+        with checkpoint.full_disk_said(partial, then=f"nothing of {out.name} is left half-written"):
             if timeout_s is None and runtime.can_host_world_of_one():
                 result = launch.run_here(job)
             else:
@@ -170,13 +170,6 @@ def _write(job: ConvertJob, out: Path, overwrite: bool, run_dir: str | Path | No
                                        show_progress=False, timeout_s=timeout_s)
             if finish is not None:
                 finish(partial)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as err:  # torch's CheckpointException is not an Exception
-            said = checkpoint.disk_full(err, partial, then=f"nothing of {out.name} is left half-written")
-            if said is err:
-                raise
-            raise said from err
     return {k: v for k, v in result.items() if k != "events"}
 
 

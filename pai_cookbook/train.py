@@ -182,14 +182,8 @@ def writing(configs: list[RunConfig], run_dir: str | Path) -> Iterator[None]:
         if runtime.detect_launch_env().node_rank == 0:
             for folder in folders:
                 stack.enter_context(lock.hold(folder, "training"))
-        try:
-            yield
-        except WorkerError as err:  # a worker that failed on a full disk: said as such, with the folder
-            for folder in reversed(folders):
-                said = checkpoint.disk_full(err, Path(folder))
-                if said is not err:
-                    raise said from err
-            raise
+        stack.enter_context(checkpoint.full_disk_said(*reversed(folders), catch=WorkerError))
+        yield
 
 
 def sweep(runs: Mapping[str, RunConfig], *, nproc_per_node: int = 1, run_dir: str | Path = "runs/sweep",

@@ -134,15 +134,8 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     torch.distributed.barrier()
-    try:
+    with full_disk_said(partial):
         dist_checkpointing.save(tree, str(partial))
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as err:  # torch's CheckpointException is not an Exception
-        said = disk_full(err, partial)
-        if said is err:
-            raise
-        raise said from err
     torch.distributed.barrier()
     if rank0:
         checkpoint_format.common_state_where_older_releases_read_it(partial)
@@ -170,6 +163,24 @@ def disk_full(err: BaseException, folder: Path, then: str = "a re-run resumes fr
         return OSError(errno.ENOSPC, f"No space left on device while saving {folder} ({free:,} bytes free there; "
                                      f"{type(err).__name__}: {str(err)[:200]}). Free space or save elsewhere; {then}")
     return err
+
+
+@contextlib.contextmanager
+def full_disk_said(*folders: str | Path, then: str = "a re-run resumes from the last finished checkpoint",
+                   catch: type[BaseException] = BaseException) -> Iterator[None]:
+    """Around a write: an error of type `catch` raised where the disk of one of `folders` is full becomes `disk_full`'s
+    OSError naming the first such folder (torch's CheckpointException is not an Exception, hence BaseException by
+    default); any other error, and an interrupt, goes on as it was."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except catch as err:
+        for folder in folders:
+            said = disk_full(err, Path(folder), then)
+            if said is not err:
+                raise said from err
+        raise
 
 
 def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dtype: torch.dtype, *,

@@ -115,7 +115,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
              f"{m.query_groups} KV groups (each TP rank needs whole KV heads). Use TP in {divisors(m.query_groups)}.")
     require(m.ffn_hidden_size % tp == 0, f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP={tp}.")
     if m.multi_latent_attention:
-        _check_latent_attention(m, tp, purpose)
+        _check_latent_attention(m, tp)
     stages = pp * (vpp or 1)
     splitter = f"PP x VPP = {stages}" if vpp else f"PP={pp}"
     require(m.num_layers % stages == 0,
@@ -146,7 +146,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
     return dp
 
 
-def _check_latent_attention(m: ModelConfig, tp: int, purpose: str) -> None:
+def _check_latent_attention(m: ModelConfig, tp: int) -> None:
     """Multi-latent attention: the Megatron-Core release, and the down projections, whose outputs the local spec splits
     over TP ranks."""
     from pai_cookbook.core import versions

@@ -125,16 +125,13 @@ def write(out_dir: str | Path, split: dict[str, Sequence[Sample]], seq_length: i
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    try:
-        summary = _write_splits(partial, split, seq_length, pad_id, packed, meta)
-    except BaseException as err:
-        shutil.rmtree(partial, ignore_errors=True)
-        # a full disk (an OSError, or safetensors' SafetensorError) said as such, with the folder
-        said = err if isinstance(err, KeyboardInterrupt | SystemExit) else checkpoint.disk_full(
-            err, partial, then="nothing was kept; give another out_dir")
-        if said is not err:
-            raise said from err
-        raise
+    # a full disk (an OSError, or safetensors' SafetensorError) said as such, with the folder
+    with checkpoint.full_disk_said(partial, then="nothing was kept; give another out_dir"):
+        try:
+            summary = _write_splits(partial, split, seq_length, pad_id, packed, meta)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
     old = out_dir.with_name(out_dir.name + ".old")
     if out_dir.exists():  # derived data: a new preparation replaces the old one whole
         shutil.rmtree(old, ignore_errors=True)

@@ -177,10 +177,9 @@ def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype, hea
     for chunk in chunks:
         by_param.setdefault(chunk.param, []).append(chunk)
     files: dict[str, Any] = {}
-    model_dtype = dtype
     try:
         for name, param_chunks in by_param.items():
-            dtype = stored_dtype(name, model_dtype)
+            want = stored_dtype(name, dtype)  # the expert bias is stored in fp32 whatever the model's dtype
             stored = [whole.get((c.key, c.offsets, c.sizes)) for c in param_chunks]
             if all(stored):
                 pieces = []
@@ -189,20 +188,20 @@ def iter_megatron_params(ckpt: Path, model: ModelConfig, dtype: torch.dtype, hea
                         files[info.relative_path] = open(Path(ckpt) / info.relative_path, "rb")  # noqa: SIM115
                     piece = torch.load(FileSlice(files[info.relative_path], info.offset, info.length),
                                        map_location="cpu", weights_only=True)
-                    pieces.append(piece.to(dtype))
+                    pieces.append(piece.to(want))
                 if len(param_chunks) == 1 and param_chunks[0].view == whole_view(shapes[name]):
                     yield name, pieces[0].view(shapes[name])
                     continue
-                full = torch.empty(shapes[name], dtype=dtype)
+                full = torch.empty(shapes[name], dtype=want)
                 for c, piece in zip(param_chunks, pieces):
                     full.as_strided(*c.view).copy_(piece.reshape(c.view[0]))
                 yield name, full
                 continue
-            full = torch.empty(shapes[name], dtype=dtype)
+            full = torch.empty(shapes[name], dtype=want)
             # A chunk that is a contiguous block of the parameter (fc1's gate and up halves too) is read straight
             # into it; any other is read aside and placed.
             places = [full.as_strided(*c.view) for c in param_chunks]
-            state = {f"chunk{i}": place.view(c.sizes) if place.is_contiguous() else torch.empty(c.sizes, dtype=dtype)
+            state = {f"chunk{i}": place.view(c.sizes) if place.is_contiguous() else torch.empty(c.sizes, dtype=want)
                      for i, (c, place) in enumerate(zip(param_chunks, places))}
             regions = {f"chunk{i}": (c.key, c.offsets) for i, c in enumerate(param_chunks)}
             load(state, storage_reader=FileSystemReader(str(ckpt)), planner=region_planner(regions))
