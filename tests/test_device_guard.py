@@ -103,6 +103,18 @@ def test_indexing_a_device_tensor_with_a_host_index_passes_but_not_the_reverse(m
         model.weight.data[torch.tensor([0])] = torch.zeros(2)  # __setitem__ is allowed
 
 
+def test_shaped_like_a_device_tensor_a_host_tensor_stays_host(model):
+    """`x.view_as(y)` reads y's shape only (CUDA allows a host x with a device y): it passes and stays host, so a host
+    tensor shaped so and then mixed with the model's output is still caught (the router statistics do the first)."""
+    with DeviceGuard() as guard:
+        guard.place(model)
+        for shaped in (torch.zeros(4).view_as(model.weight), torch.zeros(4).reshape_as(model.weight),
+                       torch.zeros(1, 2).expand_as(model.weight)):
+            assert guard.tags[shaped] == device_guard.HOST
+        with pytest.raises(DeviceMismatch):
+            model.weight + torch.zeros(4).view_as(model.weight)
+
+
 def test_attention_with_a_host_mask_raises(model):
     with DeviceGuard():
         q, k, v = (torch.randn(1, 1, 4, 8, device=ACCELERATOR) for _ in range(3))

@@ -14,7 +14,8 @@ Rules, after CUDA's behaviour:
    CPU, make host tensors; with `ACCELERATOR` (or any CUDA device) device tensors.
    `torch.*_like(x)` and `x.new_*()` follow x's tag unless a device is given.
 2. Any other op given both a host and a device tensor raises, except: host tensors of 0 dimensions
-   (CUDA takes CPU scalars), `copy_` and `__setitem__` (cross-device copies are legal), and host
+   (CUDA takes CPU scalars), `copy_` and `__setitem__` (cross-device copies are legal), `view_as`, `reshape_as` and
+   `expand_as` (the other tensor gives its shape only; the output lives where the first does), and host
    tensors only in the index of `__getitem__`. Untagged tensors (made before entering, or where the
    guard cannot see) are wildcards.
 3. Outputs are device if any input is device, else host if any input is host; an output that is one of
@@ -59,6 +60,9 @@ _UNSEEN_FACTORIES = ("from_numpy", "range")
 _MOVES = frozenset({"to", "cpu", "cuda"})
 _TO_NUMPY = frozenset({"numpy", "__array__"})
 _UNCHECKED = frozenset({"copy_", "__setitem__"})
+# Ops that read their other tensor's shape only (`x.view_as(y)` is `x.view(y.size())`): legal across devices, and
+# their output lives where `x` does.
+_SHAPE_OF_OTHER = frozenset({"view_as", "reshape_as", "expand_as"})
 _ALIASING_PROPERTIES = frozenset({"data", "grad", "T", "mT", "H", "mH"})
 _TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                        "reduce_scatter_tensor", "reduce", "send", "recv", "isend", "irecv", "all_to_all",
@@ -261,6 +265,8 @@ class DeviceGuard(TorchFunctionMode):
             raise DeviceMismatch("can't convert cuda:0 device type tensor to numpy (a tensor on the model's device, "
                                  "emulated by DeviceGuard). Use Tensor.cpu() to copy the tensor to host memory first.")
         tensors = _tensors((args, kwargs))
+        if name in _SHAPE_OF_OTHER:
+            tensors = tensors[:1]
         tags = [self.tags.get(tensor) for tensor in tensors]
         if DEVICE in tags and name not in _UNCHECKED:
             # __getitem__: a host index into a device tensor is fine; a host tensor indexed is not.
