@@ -32,6 +32,7 @@ PENALISED = GenerationConfig(max_new_tokens=16, ignore_eos=True, repetition_pena
 SAMPLING = GenerationConfig(max_new_tokens=16, ignore_eos=True, top_k=0, top_p=0.9, temperature=0.8, seed=7,
                             batch_size=4)
 TP1, TP2 = ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)
+TP2_SP = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)  # an MoE model trains at TP > 1 with SP
 CPU_PACKAGE = "pai_cookbook.cpu"
 
 
@@ -105,13 +106,16 @@ def test_no_cpu_converter_is_built_on_the_local_path(run_scenario, monkeypatch):
         assert [e["layers"] for e in local["events"] if e["event"] == "layers"] == [runtime.LOCAL_LAYERS]
 
 
+GENERATED = ("llama", "qwen2_moe", "deepseek_v3")
+
+
 @pytest.mark.multiproc
 def test_generation_on_the_gpu_path_equals_transformers(converted, gpu_path, tmp_path):
-    """Prompts of 3-6 tokens in one left-padded batch, tiny Llama and Qwen2-MoE at TP=1 and TP=2: greedy tokens equal
-    transformers' generate (one prompt at a time); the repetition penalty's too; seeded sampling the same at both
-    layouts."""
+    """Prompts of 3-6 tokens in one left-padded batch, tiny Llama, Qwen2-MoE and DeepSeek-V3 (multi-latent attention,
+    right-padded) at TP=1 and TP=2: greedy tokens equal transformers' generate (one prompt at a time); the repetition
+    penalty's too; seeded sampling the same at both layouts."""
     jobs = []
-    for family in ("llama", "qwen2_moe"):
+    for family in GENERATED:
         ckpt = converted[family][1]
         jobs += [generate.prepare(ckpt, RECORDS, GREEDY, TP1, f"{family} tp1"),
                  generate.prepare(ckpt, RECORDS, GREEDY, TP2, f"{family} tp2")]
@@ -121,7 +125,7 @@ def test_generation_on_the_gpu_path_equals_transformers(converted, gpu_path, tmp
              generate.prepare(llama, RECORDS, SAMPLING, TP2, "sampling tp2")]
     assert len({len(ids) for ids in jobs[0].prompt_ids}) > 1  # the batch is left-padded
     results = dict(zip([j.label for j in jobs], generate.run_jobs(jobs, run_dir=tmp_path, show_progress=False)))
-    for family in ("llama", "qwen2_moe"):
+    for family in GENERATED:
         hf = converted[family][2]
         reference = hf_baseline.hf_generate(hf, jobs[0].prompt_ids, GREEDY)["tokens"]
         for tp in (1, 2):
@@ -136,7 +140,8 @@ def test_generation_on_the_gpu_path_equals_transformers(converted, gpu_path, tmp
 @pytest.mark.multiproc
 def test_training_on_the_gpu_path_tp2_equals_tp1(gpu_path, run_scenario, tmp_path):
     """Three steps of pretraining (synthetic rows) and of SFT on packed rows (block-diagonal masks), each at TP=1
-    (two data-parallel replicas) and at TP=2, under the guard: losses within 1e-5 of each other."""
+    (two data-parallel replicas) and at TP=2, and of DeepSeek-V3's multi-latent attention and sigmoid router at TP=1 and
+    TP=2 with sequence parallelism, under the guard: losses within 1e-5 of each other."""
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 40, (16,), generator=generator).tolist()
     samples = [sft.Sample(ids=torch.randint(3, 256, (n,), generator=generator).tolist(),
@@ -146,9 +151,10 @@ def test_training_on_the_gpu_path_tp2_equals_tp1(gpu_path, run_scenario, tmp_pat
     assert summary["train"]["rows"] < len(samples)  # conversations share rows
     packed = DataConfig(source="sft", paths=[str(folder)], seq_length=64, micro_batch_size=2, global_batch_size=4)
     configs = [tiny_run(train_iters=3, parallel=p) for p in (TP1, TP2)] + \
-              [tiny_run(data=packed, train_iters=3, parallel=p) for p in (TP1, TP2)]
+              [tiny_run(data=packed, train_iters=3, parallel=p) for p in (TP1, TP2)] + \
+              [tiny_run("deepseek_v3", train_iters=3, parallel=p) for p in (TP1, TP2_SP)]
     runs = run_scenario.layouts(configs, nproc=2)
-    for one, two in (runs[:2], runs[2:]):
+    for one, two in (runs[:2], runs[2:4], runs[4:]):
         assert len(one["losses"]) == 3 and max(abs(a - b) for a, b in zip(one["losses"], two["losses"])) <= 1e-5, (
             one["losses"], two["losses"])
 
