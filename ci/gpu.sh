@@ -33,7 +33,7 @@ echo "torch==$torch_version" > "$constraint"
 # stop rather than swap it, as for torch). One outside the range is left to pip, which replaces it.
 mcore_version=$("$PYTHON" -c '
 import importlib.util
-spec = importlib.util.spec_from_file_location("versions", "pai_cookbook/core/versions.py")  # the range, not the package
+spec = importlib.util.spec_from_file_location("versions", "pai_cookbook/core/machine/versions.py")  # the range, not the package
 versions = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(versions)
 v = versions.megatron_core_version()
@@ -49,7 +49,7 @@ fi
 "$PYTHON" -m pip install --quiet "${source_args[@]}" -c "$constraint" -e ".[notebooks,test]"
 "$PYTHON" -W ignore -c "
 import torch, megatron.core, transformers
-from pai_cookbook.core import runtime
+from pai_cookbook.core.machine import runtime
 d = runtime.detect_device()
 print(f'gpu.sh: {d.name} x{d.count}, compute capability {d.compute_capability}, torch {torch.__version__} '
       f'(CUDA {torch.version.cuda}), megatron-core {megatron.core.__version__}, transformers {transformers.__version__}, '

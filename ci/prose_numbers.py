@@ -35,7 +35,7 @@ DEFINITIONS: dict[str, dict[str, str]] = {
     "03_continued_pretraining": {"98,2,0": "a SPLIT setting the prose names",
                                  "6": "training FLOPs per parameter and token (2 forward, 4 backward)",
                                  "989": "an H100 SXM's datasheet dense "
-                                 "bf16 TFLOP/s (core.throughput.DATASHEET_DENSE_TFLOPS)"},
+                                 "bf16 TFLOP/s (core.measures.throughput.DATASHEET_DENSE_TFLOPS)"},
     "08_rlhf": {"1.16": "TRL's version", "259": "the byte-level tokenizer's size: 256 bytes and 3 special tokens",
                 "0.95": "GAE's lambda (PPOConfig's default)", "20%": "the KL controller's clip (Ziegler et al.)",
                 "0.05": "a bound tests/test_notebooks.py asserts", "0.1": "a bound tests/test_notebooks.py asserts",

@@ -3,7 +3,7 @@
 # machine supports: unit tests, 2-process Megatron-Core runs, and every notebook through papermill.
 # GPU-only tests skip themselves (with the reason) where no CUDA device is present.
 #
-# Two ends of the supported Megatron-Core range (core/versions.py): everything runs on the default environment,
+# Two ends of the supported Megatron-Core range (core/machine/versions.py): everything runs on the default environment,
 # .venv (Megatron-Core 0.19 on Python 3.12); the second tier, the tests marked `both_ends` (the compatibility layer's
 # patches and the paths that break first on a new release), runs again on .venv-mcore016 (0.16 on Python 3.11), after
 # the tests' session; after the notebooks the tests marked `releases` (tests/test_versions.py) move checkpoints and

@@ -3,7 +3,7 @@
 import logging
 import warnings
 
-from pai_cookbook.core import versions
+from pai_cookbook.core.machine import versions
 
 versions.check()  # a Megatron-Core or torch outside the tested range is refused here, naming the range and the fix
 

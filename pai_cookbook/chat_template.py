@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pai_cookbook.core import inputs
-from pai_cookbook.core.sft_data import SFTError
+from pai_cookbook.core.launching import inputs
+from pai_cookbook.core.text.sft_data import SFTError
 
 MARK = "\ue000{}\ue001"
 """A message's stand-in while the template's own text is located (private-use characters no template writes)."""
@@ -75,7 +75,7 @@ def stop_ids(tokenizer, folder: str | Path | None = None, names: list[str] | Non
                                f"that ends an assistant turn as the template writes it (e.g. '<|eot_id|>').")
             ids.append(found)
         return ids
-    from pai_cookbook.core import tokenizer as tokenizers
+    from pai_cookbook.core.text import tokenizer as tokenizers
 
     if folder is None and Path(str(getattr(tokenizer, "name_or_path", "") or "-")).is_dir():
         folder = tokenizer.name_or_path  # the folder the tokenizer was loaded from: a model's or a checkpoint's

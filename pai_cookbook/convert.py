@@ -29,10 +29,13 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, cli, families, layout, nodes, tokenizer
-from pai_cookbook.core.config import ConfigError, ParallelConfig
-from pai_cookbook.core.hf_checkpoint import IGNORED_HF_TENSORS, HFCheckpoint, inspect_hf, read_safetensors_header
-from pai_cookbook.core.jobs import DEFAULT_SHARD_BYTES, DIRECTIONS, ConvertJob
+from pai_cookbook.core.checkpoints import checkpoint, families
+from pai_cookbook.core.checkpoints.hf_checkpoint import IGNORED_HF_TENSORS, HFCheckpoint, inspect_hf, read_safetensors_header
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
+from pai_cookbook.core.launching import cli, nodes
+from pai_cookbook.core.launching.jobs import DEFAULT_SHARD_BYTES, DIRECTIONS, ConvertJob
+from pai_cookbook.core.text import tokenizer
 
 __all__ = ["DEFAULT_SHARD_BYTES", "DIRECTIONS", "IGNORED_HF_TENSORS", "ConvertJob", "HFCheckpoint", "compare_hf_checkpoints",
            "hf_to_megatron", "inspect_hf", "main", "megatron_to_hf", "read_safetensors_header", "reshard", "reward_hf_config",
@@ -158,7 +161,8 @@ def _write(job: ConvertJob, out: Path, overwrite: bool, run_dir: str | Path | No
     for, the conversion runs here: a worker process would spend ~3 s importing torch and Megatron-Core before
     its first byte, more than the bytes of a small model take. Otherwise (GPU machines, `timeout_s`, a caller
     that is itself a worker) it is a one-process worker, with its log in `run_dir`."""
-    from pai_cookbook.core import launch, runtime
+    from pai_cookbook.core.launching import launch
+    from pai_cookbook.core.machine import runtime
 
     with checkpoint.writing(out, overwrite) as partial:
         job.dst = str(partial.resolve())
@@ -181,7 +185,7 @@ def reshard(ckpt: str | Path, out: str | Path, parallel: ParallelConfig, *, over
     A torch_dist checkpoint loads at any layout anyway; this writes one *saved at* that layout (as a
     training run at that layout would), which is how a resharding round trip is demonstrated.
     """
-    from pai_cookbook.core import launch
+    from pai_cookbook.core.launching import launch
 
     model, _ = checkpoint.read_config(ckpt)
     layout.check(model, parallel, purpose="load")

@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from pai_cookbook.core import inputs as core_inputs
-from pai_cookbook.core import nodes, tokenizer
-from pai_cookbook.core.indexed_data import (
+from pai_cookbook.core.launching import inputs as core_inputs
+from pai_cookbook.core.launching import nodes
+from pai_cookbook.core.text import tokenizer
+from pai_cookbook.core.text.indexed_data import (
     SIDECAR_SUFFIX,
     DataError,
     build_datasets,
@@ -209,7 +210,8 @@ def prepare(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer_d
 def _write_dataset(inputs: Sequence[str | Path], tmp: Path, hf_tokenizer: Any, tokenizer_dir: str | Path,
                    text_field: str, workers: int, eod: int | None, show_progress: bool) -> tuple[int, int]:
     """Tokenize every input into `<tmp>.bin/.idx`; returns (documents, tokens)."""
-    from pai_cookbook.core import megatron_import, progress
+    from pai_cookbook.core.launching import progress
+    from pai_cookbook.core.machine import megatron_import
 
     megatron_import.import_megatron_core()  # in the caller's process: without TorchInductor on CPU, as workers import it
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -253,7 +255,7 @@ def check_for_training(run: Any) -> None:
     Raises:
         DataError: naming the dataset and the fix.
     """
-    from pai_cookbook.core import checkpoint
+    from pai_cookbook.core.checkpoints import checkpoint
 
     load_dir = run.checkpoint.load_dir
     expected = tokenizer.fingerprint(Path(load_dir) / checkpoint.HF_ASSETS) if load_dir else None

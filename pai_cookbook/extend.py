@@ -8,13 +8,13 @@ checkpoint grown to match.
 CLI: `python -m pai_cookbook.extend tokenizer BASE CORPUS OUT --new-tokens N` and
 `python -m pai_cookbook.extend grow CKPT TOKENIZER OUT --init mean` (exit code 2 on bad input).
 
-How the tokenizers are merged is `core.vocabulary`'s subject. A new token's embedding row starts as
+How the tokenizers are merged is `core.text.vocabulary`'s subject. A new token's embedding row starts as
 the mean of the rows of the old tokens its text was split into ("天气" = mean("天", "气")); its output
 row likewise (untied models). Then, on text without new tokens, the extended model's logits over the
 old vocabulary equal the old model's, and the new tokens take little probability: each new logit is a
 mean of old logits, far below the top ones in English contexts. `INITS` holds the alternatives for
 comparison. The vocabulary is padded to Megatron-Core's multiple of 128 x TP, and the padding rows
-are kept out of the softmax by the model (`core.model.mask_vocab_padding`).
+are kept out of the softmax by the model (`core.modeling.model.mask_vocab_padding`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, cli, inputs, nodes, spm, tokenizer, vocabulary
-from pai_cookbook.core.config import ConfigError
-from pai_cookbook.core.jobs import INITS, GrowJob, ScoreJob
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import ConfigError
+from pai_cookbook.core.launching import cli, inputs, nodes
+from pai_cookbook.core.launching.jobs import INITS, GrowJob, ScoreJob
+from pai_cookbook.core.text import spm, tokenizer, vocabulary
 from pai_cookbook.extension_checks import check_no_special_spelled, check_old_text, check_specials, moved_specials
 
 EXTENSION_FILE = "pai_cookbook_extension.json"
@@ -274,7 +276,7 @@ def grow(ckpt: str | Path, tokenizer_dir: str | Path, out: str | Path, *, init: 
         ConfigError: the checkpoint's tokenizer is not the one the extension was made from, or its
             vocabulary size is not that tokenizer's; an unknown `init`.
     """
-    from pai_cookbook.core import launch
+    from pai_cookbook.core.launching import launch
 
     if init not in INITS:
         raise ConfigError(f"init {init!r} is not one of {INITS}.")
@@ -315,7 +317,7 @@ def score(checkpoints: list[str | Path], texts: dict[str, list[str]], *, pairs: 
         {"bits_per_char": {ckpt: {text set: bits}}, "pairs": [{max_abs_diff_old_entries, kl, new_mass,
         padding_mass, ...}]}
     """
-    from pai_cookbook.core import launch
+    from pai_cookbook.core.launching import launch
 
     for ckpt in checkpoints:
         checkpoint.read_config(ckpt)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pai_cookbook.core.config import ConfigError
+from pai_cookbook.core.configs.config import ConfigError
 
 
 def moved_specials(base, extended) -> dict[str, tuple[int, int]]:

@@ -5,8 +5,8 @@
     fp8.verdict([results["delayed"]["losses"]], band)   # mean, gap, within 2x the seed spread and 0.5%?
     fp8.statistics(results["delayed"]["fp8"], "grad", "underflow")   # steps x linears, for a heat map
 
-The precision itself is configured by `core.config.FP8Config` (recipe, format, amax history, margin,
-backend) and, where FP8 tensor cores are absent, emulated by `core.fp8` (quantize/dequantize with the
+The precision itself is configured by `core.configs.config.FP8Config` (recipe, format, amax history, margin,
+backend) and, where FP8 tensor cores are absent, emulated by `core.modeling.fp8` (quantize/dequantize with the
 recipe's scales, labelled "emulated" in every result). A seed band is the honest yardstick: two BF16 runs
 that differ only in their seed already differ, so an FP8 run is judged against that spread, not against
 one curve.
@@ -78,7 +78,7 @@ def mean_curve(curves: Sequence[Sequence[float]]) -> list[float]:
 
 def formats() -> list[dict[str, Any]]:
     """What each FP8 format can hold: largest and smallest values, and the binades between them."""
-    from pai_cookbook.core import fp8 as numerics
+    from pai_cookbook.core.modeling import fp8 as numerics
 
     rows = []
     for name in numerics.FORMATS:
@@ -95,7 +95,7 @@ def scaling_demo(values: Any, formats: Sequence[str] = ("e4m3", "e5m2")) -> list
     underflowed to zero or saturated, and the mean relative error of the rest."""
     import torch
 
-    from pai_cookbook.core import fp8 as numerics
+    from pai_cookbook.core.modeling import fp8 as numerics
 
     rows = []
     for fmt in formats:

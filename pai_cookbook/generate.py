@@ -28,12 +28,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, cli, damage, inputs, layout, runtime
-from pai_cookbook.core.checkpoint import load_tokenizer
-from pai_cookbook.core.config import ConfigError, ParallelConfig
-from pai_cookbook.core.generation import CHAT_TEMPLATE_MODES, DTYPES, GenerationConfig
-from pai_cookbook.core.jobs import GenerationBatch, GenerationJob
-from pai_cookbook.core.tokenizer import encode, eos_ids
+from pai_cookbook.core.checkpoints import checkpoint, damage
+from pai_cookbook.core.checkpoints.checkpoint import load_tokenizer
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
+from pai_cookbook.core.configs.generation import CHAT_TEMPLATE_MODES, DTYPES, GenerationConfig
+from pai_cookbook.core.launching import cli, inputs
+from pai_cookbook.core.launching.jobs import GenerationBatch, GenerationJob
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.text.tokenizer import encode, eos_ids
 from pai_cookbook.data import read_prompts
 
 __all__ = ["CHAT_TEMPLATE_MODES", "DTYPES", "GenerationBatch", "GenerationConfig", "GenerationJob", "NotSaved",
@@ -114,10 +117,10 @@ def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/gener
         "tokens_per_s", "seconds", "forward_seconds" (of them, in the model's forward steps), "packing_seconds"
         (before them: the weights packed for oneDNN on a CPU, cpu.linear.packed_for_decoding), "ranks_agree",
         "forward_lengths" (tokens per forward step, per batch), "layers" (what computed it:
-        `core.runtime.layer_record`), "engine" (which inference engine and path ran, and Megatron-Core's release:
+        `core.machine.build.record`), "engine" (which inference engine and path ran, and Megatron-Core's release:
         `workers.engine.engine_record`).
     """
-    from pai_cookbook.core import launch
+    from pai_cookbook.core.launching import launch
 
     world = math.lcm(*(layout.world_size(j.parallel) for j in jobs)) if nproc_per_node is None else \
         inputs.integer(nproc_per_node, "nproc_per_node")

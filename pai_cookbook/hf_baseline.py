@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core.logit_parity import hf_logits, hf_model
-from pai_cookbook.core.progress import quiet_transformers
-from pai_cookbook.core.tokenizer import eos_ids
+from pai_cookbook.core.launching.progress import quiet_transformers
+from pai_cookbook.core.measures.logit_parity import hf_logits, hf_model
+from pai_cookbook.core.text.tokenizer import eos_ids
 from pai_cookbook.generate import GenerationConfig
 
 __all__ = ["TRL_RENAMED_API", "hf_complete", "hf_generate", "hf_logits", "hf_packed_token_losses", "trl_grpo",

@@ -1,6 +1,6 @@
 """Mixture-of-Experts: router statistics while training, and dense -> MoE upcycling.
 
-`RouterStats` (`core.router_stats`, which the training workers share) watches every Megatron-Core router of
+`RouterStats` (`core.measures.router_stats`, which the training workers share) watches every Megatron-Core router of
 a model and turns each optimizer step into figures a user can act on: per MoE layer, the share of routed
 tokens each expert received, the auxiliary and z-losses Megatron-Core computed, and the tokens dropped by a
 capacity factor. `workers.training.train` records them in the per-step logs of every MoE run.
@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, cli, layout, nodes
-from pai_cookbook.core.config import ConfigError, ModelConfig, ParallelConfig
-from pai_cookbook.core.jobs import UpcycleJob
-from pai_cookbook.core.router_stats import AUX_LOSS_NAMES, RouterStats, moe_layer_flags
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import ConfigError, ModelConfig, ParallelConfig
+from pai_cookbook.core.launching import cli, nodes
+from pai_cookbook.core.launching.jobs import UpcycleJob
+from pai_cookbook.core.measures.router_stats import AUX_LOSS_NAMES, RouterStats, moe_layer_flags
 
 __all__ = ["AUX_LOSS_NAMES", "UPCYCLE_TARGETS", "RouterStats", "UpcycleJob", "layout_parity", "load_balance", "main",
            "moe_layer_flags", "upcycle", "upcycled_config"]
@@ -109,7 +111,7 @@ def upcycle(dense_ckpt: str | Path, out: str | Path, *, num_experts: int, topk: 
     Returns:
         The new ModelConfig (as a dict) and the checkpoint path.
     """
-    from pai_cookbook.core import launch
+    from pai_cookbook.core.launching import launch
 
     dense, _ = checkpoint.read_config(dense_ckpt)
     moe = upcycled_config(dense, num_experts, topk, **moe_fields)

@@ -11,10 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, layout, runtime
-from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
-from pai_cookbook.core.jobs import ParityJob
-from pai_cookbook.core.logit_parity import DEFAULT_BATCH, DEFAULT_SEQ, compare_logits, token_batch
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import ParallelConfig, PrecisionConfig
+from pai_cookbook.core.launching.jobs import ParityJob
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.measures.logit_parity import DEFAULT_BATCH, DEFAULT_SEQ, compare_logits, token_batch
 
 __all__ = ["DEFAULT_BATCH", "DEFAULT_SEQ", "ParityJob", "check", "check_layouts", "compare_logits", "token_batch"]
 
@@ -45,7 +47,7 @@ def check_layouts(hf_dir: str | Path, ckpt: str | Path, layouts: list[ParallelCo
     """
     import math
 
-    from pai_cookbook.core import launch
+    from pai_cookbook.core.launching import launch
 
     model, _ = checkpoint.read_config(ckpt)
     world = math.lcm(*(layout.world_size(p) for p in layouts))

@@ -8,7 +8,7 @@
 A pair is a record {"prompt" (text) or "messages" (the turns before the answer), "chosen", "rejected"
 (two completions of it, the chosen one preferred), optionally "margin" (how much it is preferred)}.
 
-The model is the starting checkpoint's GPT with its output layer replaced by `core.model.ScalarHead`: one
+The model is the starting checkpoint's GPT with its output layer replaced by `core.modeling.model.ScalarHead`: one
 score per position, read at a sequence's last token, the end-of-turn token that closes the completion (a
 completion is encoded as the policy writes it: the prompt through the chat template, the completion's text,
 the end token; `rlhf`'s rollouts end the same way). The loss is Bradley-Terry's, -log sigmoid(r_chosen -
@@ -25,17 +25,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, inputs, layout, tokenizer
-from pai_cookbook.core.config import (
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import (
     ConfigError,
     DataConfig,
     OptimizerConfig,
     ParallelConfig,
     RunConfig,
 )
-from pai_cookbook.core.inputs import prompt_text
-from pai_cookbook.core.jobs import RewardModelJob
-from pai_cookbook.core.rlhf_config import RewardModelConfig
+from pai_cookbook.core.configs.rlhf_config import RewardModelConfig
+from pai_cookbook.core.launching import inputs
+from pai_cookbook.core.launching.inputs import prompt_text
+from pai_cookbook.core.launching.jobs import RewardModelJob
+from pai_cookbook.core.text import tokenizer
 
 
 def check_pairs(pairs: Sequence[dict[str, Any]], what: str = "pair") -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ save_dir's latest finished checkpoint (a run that reached train_iters has nothin
 re-running it only reads its history); a save_dir that holds checkpoints is emptied only when the
 caller sets `checkpoint.overwrite=True` with `resume=False`. A resumed run is the run asked for: a longer
 run or a new schedule is applied and said (`resume_changes`), another model, precision, data or seed is
-refused. The launching process holds the save_dir's and run folder's locks (`core.lock`), so a second writer
+refused. The launching process holds the save_dir's and run folder's locks (`core.launching.lock`), so a second writer
 is refused before it deletes anything, and its workers end with it however it ends. A non-finite step stops
 the run before it saves anything, so the last checkpoint is always a finite one.
 """
@@ -32,14 +32,17 @@ from pathlib import Path
 from typing import Any
 
 from pai_cookbook import data, sft
-from pai_cookbook.core import checkpoint, cli, damage, inputs, layout, lock, nodes, runtime
-from pai_cookbook.core import launch as launcher
-from pai_cookbook.core.config import (
+from pai_cookbook.core.checkpoints import checkpoint, damage
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import (
     ConfigError,
     RunConfig,
 )
-from pai_cookbook.core.failures import WorkerError
-from pai_cookbook.core.jobs import Sweep
+from pai_cookbook.core.launching import cli, inputs, lock, nodes
+from pai_cookbook.core.launching import launch as launcher
+from pai_cookbook.core.launching.failures import WorkerError
+from pai_cookbook.core.launching.jobs import Sweep
+from pai_cookbook.core.machine import runtime
 
 
 @nodes.node0_only
@@ -174,7 +177,7 @@ def launch_training(job, runs: list[RunConfig], check: Callable[[int, Any], None
 
 @contextlib.contextmanager
 def writing(configs: list[RunConfig], run_dir: str | Path) -> Iterator[None]:
-    """Hold the locks of the folders these runs write (`core.lock`), on node 0 (a multi-node job's other nodes
+    """Hold the locks of the folders these runs write (`core.launching.lock`), on node 0 (a multi-node job's other nodes
     write what node 0's launch directs): a second writer is refused before its checks delete anything. A worker that
     fails where a folder's disk is full is said to have (`checkpoint.disk_full`), naming the folder."""
     folders = [run_dir] + [c.checkpoint.save_dir for c in configs if c.checkpoint.save_dir]
@@ -248,7 +251,7 @@ def history(run_dir: str | Path) -> dict[str, Any]:
 
 def utilization(curve: dict[str, Any]) -> dict[str, float | None]:
     """The mean over a `history` of MFU (model FLOP/s against the GPUs' datasheet dense peak: None on a CPU or a GPU
-    `core.throughput.DATASHEET_DENSE_TFLOPS` lacks) and of the fraction of the matmul peak measured at the start."""
+    `core.measures.throughput.DATASHEET_DENSE_TFLOPS` lacks) and of the fraction of the matmul peak measured at the start."""
     def mean(values: list) -> float | None:
         return None if not values or any(v is None for v in values) else sum(values) / len(values)
 

@@ -5,7 +5,7 @@ Hugging Face `generate` batched with left padding, on the same weights, prompts 
     python scripts/benchmark_generate.py --device cuda     # a GPU (ci/gpu.sh runs it)
 
 `tiny`: a 4-layer x 256 Llama-style model (~3M parameters, 256-token vocabulary), 4 prompts x 128 tokens.
-`smollm2`: the real SmolLM2-135M-Instruct (`pai_cookbook.smollm2`), 8 prompts x 64 tokens.
+`smollm2`: the real SmolLM2-135M-Instruct (`pai_cookbook.fixtures.smollm2`), 8 prompts x 64 tokens.
 tokens/s count generation only (model loading excluded), median of `--runs`; each cookbook run is followed by
 a `generate` run and the ratio is the median of those pairs' ratios. Each engine row splits a decode step
 into the model's forward and everything else (sampling, the controller's bookkeeping). With
@@ -16,7 +16,7 @@ loading is not either). The last line is the cookbook's ratio to batched `genera
 Not a test: on a 2-core VM the noise (about +-15%) is larger than small differences.
 
 `--device cuda`: Llama-3.2-1B's shape (random weights), bf16, 8 prompts of 8-40 tokens x 128 new tokens, the cookbook
-(its layers as `core.runtime.choose_layers` decides there) against batched `generate` eager and compiled (a static cache,
+(its layers as `core.machine.build.choose_layers` decides there) against batched `generate` eager and compiled (a static cache,
 whose decode step `generate` compiles itself on CUDA); the ratios come last.
 """
 
@@ -66,9 +66,9 @@ def on_gpu(opts) -> None:
     from transformers import AutoModelForCausalLM
 
     from pai_cookbook import convert, generate
-    from pai_cookbook.core import runtime
+    from pai_cookbook.core.machine import runtime
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
     from pai_cookbook.generate import GenerationConfig
-    from pai_cookbook.tiny_models import make_tiny_hf_model
 
     batch, new_tokens = opts.batch or 8, opts.new_tokens or 128
     work = Path(tempfile.mkdtemp(prefix="bench_generate_"))
@@ -105,10 +105,11 @@ def on_gpu(opts) -> None:
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    from pai_cookbook import convert, generate, smollm2
-    from pai_cookbook.core.config import ParallelConfig
+    from pai_cookbook import convert, generate
+    from pai_cookbook.core.configs.config import ParallelConfig
+    from pai_cookbook.fixtures import smollm2
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
     from pai_cookbook.generate import GenerationConfig
-    from pai_cookbook.tiny_models import make_tiny_hf_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pai_cookbook import convert, sft, smollm2, tiny_models, train
-from pai_cookbook.core import checkpoint
-from pai_cookbook.core.config import CheckpointConfig, DataConfig, OptimizerConfig, RunConfig
+from pai_cookbook import convert, sft, train
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import CheckpointConfig, DataConfig, OptimizerConfig, RunConfig
+from pai_cookbook.fixtures import smollm2, tiny_models
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ compare the machine's moods more than the programs. Not a test: it prints figure
 
 On a GPU (`--device cuda`) the model is Llama-3.2-1B's shape (16 layers x 2,048, GQA 32/8 heads, 128,256-token
 vocabulary), bf16, sequences of 2,048, micro-batch 4, global batch 8, synthetic tokens: the cookbook's worker (its
-layers as `core.runtime.choose_layers` decides there) against transformers + PyTorch (fp32 weights under bf16
+layers as `core.machine.build.choose_layers` decides there) against transformers + PyTorch (fp32 weights under bf16
 autocast, SDPA, fused AdamW) eager and under `torch.compile`; the ratios come last.
 """
 
@@ -51,7 +51,7 @@ def cookbook(config, steps: int, work: Path) -> float:
 
 
 def raw_megatron(config, steps: int, work: Path) -> float:
-    from pai_cookbook.core import runtime
+    from pai_cookbook.core.machine import runtime
 
     path = config.save(work / "raw.json")
     env = runtime.detect_launch_env()
@@ -69,7 +69,7 @@ def hugging_face(config, steps: int, device: str = "cpu", compiled: bool = False
     under bf16 autocast with fused AdamW (and `torch.compile` when `compiled`)."""
     from transformers import AutoModelForCausalLM
 
-    from pai_cookbook.core import families
+    from pai_cookbook.core.checkpoints import families
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(families.to_hf(config.model), attn_implementation="sdpa").to(device)
@@ -96,8 +96,9 @@ def hugging_face(config, steps: int, device: str = "cpu", compiled: bool = False
 
 def on_gpu(opts) -> None:
     """The GPU mode (module doc): the cookbook's worker, transformers eager and compiled, the ratios last."""
-    from pai_cookbook.core import families, runtime
-    from pai_cookbook.core.config import DataConfig, OptimizerConfig, PrecisionConfig, RunConfig
+    from pai_cookbook.core.checkpoints import families
+    from pai_cookbook.core.configs.config import DataConfig, OptimizerConfig, PrecisionConfig, RunConfig
+    from pai_cookbook.core.machine import runtime
 
     device = runtime.detect_device()
     model = families.from_hf(families.tiny_hf_config("llama", **GPU_MODEL))
@@ -125,7 +126,7 @@ def preprocessing(work: Path) -> tuple[float, float, float]:
     from transformers import AutoTokenizer
 
     from pai_cookbook import data
-    from pai_cookbook.core.tokenizer import make_tokenizer
+    from pai_cookbook.core.text.tokenizer import make_tokenizer
 
     make_tokenizer(256).save_pretrained(work / "tok")
     corpus = data.write_default_corpus(work / "corpus.jsonl")
@@ -139,8 +140,8 @@ def preprocessing(work: Path) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    from pai_cookbook.core import families
-    from pai_cookbook.core.config import DataConfig, OptimizerConfig, RunConfig
+    from pai_cookbook.core.checkpoints import families
+    from pai_cookbook.core.configs.config import DataConfig, OptimizerConfig, RunConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)

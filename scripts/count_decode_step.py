@@ -69,12 +69,14 @@ def main() -> None:
     from megatron.core.inference.sampling_params import SamplingParams
     from transformers import AutoModelForCausalLM
 
-    from pai_cookbook import convert, generate, smollm2
-    from pai_cookbook.core import checkpoint, runtime
-    from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
-    from pai_cookbook.core.tokenizer import MegatronView
+    from pai_cookbook import convert, generate
+    from pai_cookbook.core.checkpoints import checkpoint
+    from pai_cookbook.core.configs.config import ParallelConfig, PrecisionConfig
+    from pai_cookbook.core.machine import runtime
+    from pai_cookbook.core.text.tokenizer import MegatronView
+    from pai_cookbook.fixtures import smollm2
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
     from pai_cookbook.generate import GenerationConfig
-    from pai_cookbook.tiny_models import make_tiny_hf_model
     from pai_cookbook.workers.engine import build_engine, decoding_weights, generate_batch
     from pai_cookbook.workers.models import build_model
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-from pai_cookbook.core import families, launch
-from pai_cookbook.core.config import DataConfig, RunConfig
+from pai_cookbook.core.checkpoints import families
+from pai_cookbook.core.configs.config import DataConfig, RunConfig
+from pai_cookbook.core.launching import launch
 from tests.workers.scenarios import Scenario
 
 
@@ -16,7 +17,7 @@ def tiny_run(family: str = "llama", *, model_overrides: dict | None = None, **fi
 
 def runnable_families() -> list[str]:
     """The families the installed Megatron-Core runs (multi-latent attention from 0.17 on: `layout.check`)."""
-    from pai_cookbook.core import versions
+    from pai_cookbook.core.machine import versions
 
     return [f for f in families.supported() if versions.minor() >= (0, 17) or not families.tiny(f).multi_latent_attention]
 
@@ -31,7 +32,7 @@ def converted(tmp_path_factory):
     """family -> (tiny HF folder, Megatron-Core checkpoint, HF export of it), made once per session for
     the conversion and generation tests."""
     from pai_cookbook import convert
-    from pai_cookbook.tiny_models import make_tiny_hf_model
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("convert")
     out = {}
@@ -79,10 +80,10 @@ def train_in_background(config: RunConfig, folder, nproc: int, run_dir, poll_s: 
     import sys
     import time
 
-    from pai_cookbook.core import checkpoint
+    from pai_cookbook.core.checkpoints import checkpoint
 
     config.save(folder / "config.json")
-    code = (f"from pai_cookbook import train; from pai_cookbook.core.config import RunConfig; "
+    code = (f"from pai_cookbook import train; from pai_cookbook.core.configs.config import RunConfig; "
             f"train.run(RunConfig.load({str(folder / 'config.json')!r}), nproc_per_node={nproc}, "
             f"run_dir={str(run_dir)!r}, show_progress=False, echo=False)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

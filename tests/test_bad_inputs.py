@@ -7,9 +7,11 @@ import struct
 
 import pytest
 
-from pai_cookbook import convert, data, moe, tiny_models
-from pai_cookbook.core import checkpoint, families, tokenizer
-from pai_cookbook.core.config import ConfigError, RunConfig
+from pai_cookbook import convert, data, moe
+from pai_cookbook.core.checkpoints import checkpoint, families
+from pai_cookbook.core.configs.config import ConfigError, RunConfig
+from pai_cookbook.core.text import tokenizer
+from pai_cookbook.fixtures import tiny_models
 from tests.conftest import tiny_run
 
 
@@ -98,7 +100,7 @@ CHAT = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4
 
 @pytest.fixture(scope="module")
 def tok():
-    from pai_cookbook import smollm2
+    from pai_cookbook.fixtures import smollm2
 
     return smollm2.hf_folder()
 
@@ -190,7 +192,8 @@ RAW = {
     "data.describe a cut sidecar": (lambda f, t: [(f / "ds.bin").write_text(""), (f / "ds.idx").write_text(""),
                                                   (f / "ds.json").write_text("{")] and data.describe(f / "ds"),
                                     r"ds.json is not valid JSON \(1 bytes.*Prepare the dataset again"),
-    "DataConfig split 0,0,0": (lambda f, t: __import__("pai_cookbook.core.config").core.config.DataConfig(split="0,0,0"),
+    "DataConfig split 0,0,0": (lambda f, t: __import__("pai_cookbook.core.configs.config").core.configs.config.DataConfig(
+                                  split="0,0,0"),
                                r"split '0,0,0' gives every part weight 0"),
     # conversion and checkpoints
     "an index cut short": (lambda f, t: _damaged_index(f, "{\"weight_map\": {"),
@@ -301,7 +304,7 @@ def test_a_metrics_log_whose_last_line_was_cut_by_a_kill_reads_the_steps_before_
     with pytest.warns(UserWarning, match=r"metrics.jsonl:3: the last record is cut short"):
         assert [r["step"] for r in train.logged_steps(tmp_path)] == [1, 2]
     # resumed after the kill: the new launch appends from a line of its own, and every record reads
-    from pai_cookbook.core import worker
+    from pai_cookbook.core.launching import worker
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
     with worker.open_log(tmp_path / "metrics.jsonl", fresh=False) as log:

@@ -6,9 +6,9 @@ import re
 import pytest
 import torch
 
-from pai_cookbook.core import compat, versions
-from pai_cookbook.core.config import MemoryConfig, ParallelConfig, PrecisionConfig
-from pai_cookbook.core.launch import WorkerError
+from pai_cookbook.core.configs.config import MemoryConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.core.launching.launch import WorkerError
+from pai_cookbook.core.machine import compat, versions
 from tests.conftest import tiny_run
 
 pytestmark = [pytest.mark.multiproc,
@@ -123,11 +123,11 @@ def test_a_cpu_worker_builds_its_model_without_importing_torchinductor(run_scena
 def test_apply_is_idempotent_and_rejects_unknown_names():
     import subprocess
     import sys
-    code = ("from pai_cookbook.core import compat; a = compat.apply(); b = compat.apply(); "
+    code = ("from pai_cookbook.core.machine import compat; a = compat.apply(); b = compat.apply(); "
             "assert a is b and a == [p.name for p in compat.needed()], a; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
-    bad = subprocess.run([sys.executable, "-c", "from pai_cookbook.core import compat; compat.apply(skip=('nope',))"],
+    bad = subprocess.run([sys.executable, "-c", "from pai_cookbook.core.machine import compat; compat.apply(skip=('nope',))"],
                          capture_output=True, text=True)
     assert "unknown compat patch" in bad.stderr
 
@@ -137,7 +137,7 @@ def test_cuda_event_keeps_time_on_cpu():
     # a stand-in that returns a non-number breaks every generation at the end of its batch.
     import subprocess
     import sys
-    code = ("import time, torch; from pai_cookbook.core import compat; compat.apply(); "
+    code = ("import time, torch; from pai_cookbook.core.machine import compat; compat.apply(); "
             "a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True); "
             "a.record(); time.sleep(0.05); b.record(); b.synchronize(); print(a.elapsed_time(b))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

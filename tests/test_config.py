@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from pai_cookbook.core import families, runtime
-from pai_cookbook.core.config import (
+from pai_cookbook.core.checkpoints import families
+from pai_cookbook.core.configs.config import (
     ConfigError,
     DataConfig,
     FP8Config,
@@ -15,11 +15,12 @@ from pai_cookbook.core.config import (
     PrecisionConfig,
     RunConfig,
 )
+from pai_cookbook.core.machine import build, runtime
 
 CPU = runtime.DeviceInfo(is_cuda=False, name="CPU", count=0, compute_capability=None, backend="gloo",
                          has_transformer_engine=False, has_flash_attn=False)
 A100 = dataclasses.replace(CPU, is_cuda=True, name="A100", count=8, compute_capability=(8, 0), backend="nccl",
-                           has_transformer_engine=True)
+                           has_transformer_engine=True, layers=build.TE_LAYERS)
 H100 = dataclasses.replace(A100, name="H100", compute_capability=(9, 0))
 DATA = DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=8)
 
@@ -58,7 +59,8 @@ BAD_LAYOUTS = [
     ("TE FP8 on Ampere", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(backend="te"))), 1, A100,
      r"compute capability >= 8.9 \(Ada, Hopper\); found A100"),
     ("TE FP8 without TE", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(backend="te"))), 1,
-     dataclasses.replace(H100, has_transformer_engine=False), r"found H100 without Transformer Engine"),
+     dataclasses.replace(H100, has_transformer_engine=False, layers=build.LOCAL_LAYERS),
+     r"found H100 without Transformer Engine"),
     ("MXFP8 on Hopper", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(recipe="mxfp8"))), 1,
      H100, r"recipe='mxfp8' needs Blackwell \(compute capability >= 10.0\)"),
     ("MXFP8 on CPU", lambda: run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(recipe="mxfp8"))), 1,
@@ -164,30 +166,69 @@ def test_good_layouts_pass():
 
 
 def test_the_fp8_backend_is_decided_once_into_the_job():
-    """The launcher decides every machine-dependent choice into the job (`core.job.decided`); a worker reads it and
+    """The launcher decides every machine-dependent choice into the job (`core.launching.job.decided`); a worker reads it and
     never decides again: an undecided config is refused where it would be read."""
-    from pai_cookbook.core.job import decided
+    from pai_cookbook.core.launching.job import decided
     from pai_cookbook.train import Sweep
 
     asked = run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config()))
     with pytest.raises(ValueError, match="still 'auto'"):
         _ = asked.precision.fp8.decided_backend
-    assert decided(asked, CPU).precision.fp8.decided_backend == "emulated"
-    assert decided(asked, H100).precision.fp8.decided_backend == "te"
+    assert decided(asked, CPU)[0].precision.fp8.decided_backend == "emulated"
+    assert decided(asked, H100)[0].precision.fp8.decided_backend == "te"
     assert asked.precision.fp8.backend == "auto"  # the caller's config is left as it was
     sweep = Sweep(names=["a", "b"], folders=["a", "b"], runs=[asked, run()])
-    assert [r.precision.fp8 and r.precision.fp8.backend for r in decided(sweep, CPU).runs] == ["emulated", None]
-    assert decided(run(), CPU) == run()
+    assert [r.precision.fp8 and r.precision.fp8.backend for r in decided(sweep, CPU)[0].runs] == ["emulated", None]
+    assert decided(run(), CPU) == (run(), CPU)
     with pytest.raises(ConfigError, match="backend='te' needs Transformer Engine"):  # a decision this machine refuses
         decided(run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(backend="te"))), CPU)
 
 
-def test_the_cpu_converters_come_from_the_caller_exactly_on_the_cpu_path():
-    from pai_cookbook.core.layer_spec import layer_spec
+def test_a_te_gpu_on_the_local_layers_builds_no_fused_kernel():
+    """On a GPU with Transformer Engine asked for the local layers (`PAI_COOKBOOK_LAYERS=local`), every fused-kernel
+    switch is off: Megatron-Core's local ColumnParallelLinear raises without Apex's weight-gradient kernel when
+    `gradient_accumulation_fusion` is on, and the other fusions are TE's or Apex's. (Decided from the device's
+    Transformer Engine once flipped every switch on.)"""
+    from pai_cookbook.core.modeling.model import transformer_config
 
-    local = dataclasses.replace(CPU, layers=runtime.LOCAL_LAYERS)
+    local = dataclasses.replace(H100, layers=build.choose_layers(True, True, {build.LAYERS_ENV: "local"}))
+    assert local.layers == build.LOCAL_LAYERS and local.has_transformer_engine
+    for family in ("llama", "mixtral"):
+        config = transformer_config(families.tiny(family), ParallelConfig(), PrecisionConfig(), local)
+        on = [name for name in build.FUSED_KERNELS if getattr(config, name)]
+        assert on == [], on
+        assert family == "llama" or config.moe_grouped_gemm is False
+    assert build.record(local)["fused_kernels"] == [] and build.record(H100)["fused_kernels"] == sorted(build.FUSED_KERNELS)
+    assert build.record(H100)["grouped_gemm"] and not build.record(local)["grouped_gemm"]
+
+
+def test_emulated_fp8_on_a_te_gpu_builds_and_records_the_local_layers():
+    """Emulated FP8's linears are the local spec's: on a Transformer Engine GPU the launcher's decision narrows the
+    layers to `local`, so the run's record says what it built (it said `transformer-engine`), its fused kernels are off,
+    and a device that was not narrowed is refused where the spec is built."""
+    from pai_cookbook.core.launching.job import decided
+    from pai_cookbook.core.modeling.layer_spec import layer_spec
+
+    asked = run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config(backend="emulated")))
+    job, device = decided(asked, H100)
+    assert job.precision.fp8.backend == "emulated" and device.layers == build.LOCAL_LAYERS
+    assert build.record(device)["layers"] == build.LOCAL_LAYERS and not device.fused_kernels
+    assert decided(run(precision=PrecisionConfig(dtype="bf16", fp8=FP8Config())), H100)[1] == H100  # TE's FP8: TE
+    with pytest.raises(ValueError, match="emulated FP8 builds the local spec"):
+        layer_spec(families.tiny(), None, H100, seed=0, fp8=job.precision.fp8)
+    # and on the local layers of a TE GPU, FP8 is emulated: TE's FP8 needs TE's layers
+    local = dataclasses.replace(H100, layers=build.LOCAL_LAYERS)
+    assert FP8Config().resolve_backend(local) == "emulated"
+    with pytest.raises(ConfigError, match="builds no Transformer Engine layers"):
+        FP8Config(backend="te").resolve_backend(local)
+
+
+def test_the_cpu_converters_come_from_the_caller_exactly_on_the_cpu_path():
+    from pai_cookbook.core.modeling.layer_spec import layer_spec
+
+    local = dataclasses.replace(CPU, layers=build.LOCAL_LAYERS)
     with pytest.raises(ValueError, match="take the CPU converters"):
-        layer_spec(families.tiny(), None, dataclasses.replace(CPU, layers=runtime.CPU_LAYERS), seed=0)
+        layer_spec(families.tiny(), None, dataclasses.replace(CPU, layers=build.CPU_LAYERS), seed=0)
     with pytest.raises(ValueError, match="take no CPU converters"):
         layer_spec(families.tiny(), None, local, seed=0, converters=object())
 
@@ -212,7 +253,7 @@ def test_padded_vocab_is_a_multiple_of_128_times_tp():
 
 
 def test_token_budget_becomes_steps():
-    from pai_cookbook.core.config import with_token_budget
+    from pai_cookbook.core.configs.config import with_token_budget
     base = run(data=DataConfig(seq_length=64, micro_batch_size=2, global_batch_size=8))  # 512 tokens per step
     config = with_token_budget(base, train_tokens=100_000, warmup_tokens=10_240)
     assert config.train_iters == 196 and config.optimizer.lr_warmup_iters == 20  # ceil(100000 / 512), 10240 / 512
@@ -221,8 +262,8 @@ def test_token_budget_becomes_steps():
 
 
 def test_a_run_from_a_checkpoint_takes_its_model_and_precision_and_resumes_unless_overwritten(converted, tmp_path):
-    from pai_cookbook.core import checkpoint
-    from pai_cookbook.core.config import DataConfig, RunConfig
+    from pai_cookbook.core.checkpoints import checkpoint
+    from pai_cookbook.core.configs.config import DataConfig, RunConfig
 
     ckpt = converted["qwen2"][1]
     run = RunConfig.from_checkpoint(ckpt, save_dir=tmp_path / "next", train_iters=3,

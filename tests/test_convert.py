@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from pai_cookbook import convert, parity
-from pai_cookbook.core import checkpoint, families, layout
-from pai_cookbook.core.config import ConfigError, ParallelConfig
-from pai_cookbook.tiny_models import make_tiny_hf_model
+from pai_cookbook.core.checkpoints import checkpoint, families
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
+from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 from tests.conftest import on_both_ends
 
 MOE = {f for f in families.supported() if families.tiny(f).is_moe}
@@ -232,7 +233,7 @@ def test_a_chunk_missing_from_the_metadata_is_found(converted):
 def test_a_weight_holding_nan_or_inf_is_refused_by_name_in_both_directions(tmp_path, tiny_llama):
     from safetensors.torch import load_file, save_file
 
-    from pai_cookbook.core.hf_mapping import NonFiniteWeights
+    from pai_cookbook.core.checkpoints.hf_mapping import NonFiniteWeights
 
     victim = next(p for p in sorted(tiny_llama.glob("model-*.safetensors"))
                   if any(n.endswith("down_proj.weight") for n in load_file(p)))

@@ -9,9 +9,9 @@ import torch
 import transformers
 
 from pai_cookbook import data, train
-from pai_cookbook.core import families
-from pai_cookbook.core.config import DataConfig, RunConfig
-from pai_cookbook.core.tokenizer import TOKENIZER_CORPUS, make_tokenizer
+from pai_cookbook.core.checkpoints import families
+from pai_cookbook.core.configs.config import DataConfig, RunConfig
+from pai_cookbook.core.text.tokenizer import TOKENIZER_CORPUS, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_weighted_blend_draws_from_every_dataset_by_weight(tmp_path, tokenizer_d
     data.check_for_training(config)
     import torch.distributed as dist
 
-    from pai_cookbook.core.runtime import free_port
+    from pai_cookbook.core.machine.runtime import free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:  # Megatron-Core's dataset builder asks the process group which rank builds
         train_set, valid_set = data.build_datasets(config, eval_batches=2)
@@ -119,8 +119,8 @@ def test_an_empty_split_is_refused_before_megatron_loops_on_it(tmp_path, tokeniz
 
 def test_a_dataset_from_another_tokenizer_of_the_same_size_is_refused(tmp_path, tokenizer_dir):
     from pai_cookbook import convert
-    from pai_cookbook.core.config import CheckpointConfig
-    from pai_cookbook.tiny_models import make_tiny_hf_model
+    from pai_cookbook.core.configs.config import CheckpointConfig
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 
     hf = make_tiny_hf_model("llama", tmp_path / "hf")
     convert.hf_to_megatron(hf, tmp_path / "ckpt")
@@ -138,8 +138,9 @@ def test_a_dataset_from_another_tokenizer_of_the_same_size_is_refused(tmp_path, 
 
 
 def test_a_checkpoint_trained_from_scratch_carries_the_datasets_tokenizer(tmp_path, tokenizer_dir):
-    from pai_cookbook.core import checkpoint, tokenizer
-    from pai_cookbook.core.config import CheckpointConfig
+    from pai_cookbook.core.checkpoints import checkpoint
+    from pai_cookbook.core.configs.config import CheckpointConfig
+    from pai_cookbook.core.text import tokenizer
 
     data.prepare([TOKENIZER_CORPUS], tmp_path / "ds", tokenizer_dir, show_progress=False)
     config = _indexed([tmp_path / "ds"])

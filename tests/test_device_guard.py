@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pai_cookbook.core import device_guard
-from pai_cookbook.core.device_guard import ACCELERATOR, DeviceGuard, DeviceMismatch
+from pai_cookbook.core.machine import device_guard
+from pai_cookbook.core.machine.device_guard import ACCELERATOR, DeviceGuard, DeviceMismatch
 
 THIS_FILE = "tests/test_device_guard.py"
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import sentencepiece
 
-from pai_cookbook import corpora, extend, tiny_models
-from pai_cookbook.core import spm, tokenizer, vocabulary
-from pai_cookbook.core.config import ConfigError
+from pai_cookbook import corpora, extend
+from pai_cookbook.core.configs.config import ConfigError
+from pai_cookbook.core.text import spm, tokenizer, vocabulary
+from pai_cookbook.fixtures import tiny_models
 
 LEARN = 5000  # Chinese sentences to learn from: ~105k characters, a few seconds of BPE learning
 

@@ -1,4 +1,4 @@
-"""Vocabulary extension on released vocabularies (pai_cookbook/real_tokenizers.py: llama.cpp's vocabulary GGUFs and
+"""Vocabulary extension on released vocabularies (pai_cookbook/fixtures/real_tokenizers.py: llama.cpp's vocabulary GGUFs and
 Mistral's SentencePiece models, fetched once with pip and cached): every old id and every old text's ids kept,
 Chinese compressed. `pytest -s` prints the table (the merge against the add_tokens baseline).
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pai_cookbook import real_tokenizers
+from pai_cookbook.fixtures import real_tokenizers
 
 pytestmark = pytest.mark.real_model
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import transformers
 
-from pai_cookbook.core import families
-from pai_cookbook.core.config import ConfigError
+from pai_cookbook.core.checkpoints import families
+from pai_cookbook.core.configs.config import ConfigError
 from tests.conftest import tiny_run
 
 # Fields of the HF config that decide the function the model computes.
@@ -136,8 +136,9 @@ def test_megatron_model_has_the_hf_parameter_count(family, run_scenario):
 def test_multi_latent_attention_runs_from_megatron_core_0_17():
     """Refused before launch on 0.16 (no local MLA without Transformer Engine), accepted at every layout it divides from
     0.17 on; a TP that splits the latents unevenly is named."""
-    from pai_cookbook.core import layout, versions
-    from pai_cookbook.core.config import ParallelConfig
+    from pai_cookbook.core.configs import layout
+    from pai_cookbook.core.configs.config import ParallelConfig
+    from pai_cookbook.core.machine import versions
 
     model = families.tiny("deepseek_v3")
     if versions.minor() < (0, 17):

@@ -1,4 +1,4 @@
-"""FP8 numerics, emulated (core/fp8.py): the quantizer against the formats' own value grids, Transformer
+"""FP8 numerics, emulated (core/modeling/fp8.py): the quantizer against the formats' own value grids, Transformer
 Engine's delayed-scaling rules step by step, and training: FP8 is never silently BF16, and TP=2 quantizes as
 TP=1 does (the amax of a split tensor is reduced over the group)."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pai_cookbook import fp8 as verdicts
-from pai_cookbook.core import fp8
-from pai_cookbook.core.config import FP8Config, OptimizerConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.core.configs.config import FP8Config, OptimizerConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.core.modeling import fp8
 from tests.conftest import tiny_run
 
 

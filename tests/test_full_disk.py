@@ -12,8 +12,8 @@ import subprocess
 import pytest
 
 from pai_cookbook import convert
-from pai_cookbook.core import checkpoint
-from pai_cookbook.core.config import CheckpointConfig
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import CheckpointConfig
 from tests.conftest import tiny_run
 
 FULL = r"(?s)No space left on device while saving \S*{where} \([\d,]+ bytes free there; .*\)\. Free space or save elsewhere; "
@@ -61,7 +61,8 @@ def test_a_training_checkpoint_on_a_full_disk_is_said_so_and_never_loadable(smal
 
 
 def test_an_sft_set_on_a_full_disk_is_said_so_and_nothing_is_kept(small_disk):
-    from pai_cookbook import sft, smollm2
+    from pai_cookbook import sft
+    from pai_cookbook.fixtures import smollm2
     from tests.test_bad_inputs import CHAT
 
     disk = small_disk("8k")

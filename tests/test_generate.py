@@ -14,8 +14,9 @@ import shutil
 import pytest
 
 from pai_cookbook import generate, hf_baseline
-from pai_cookbook.core import checkpoint, families, launch
-from pai_cookbook.core.config import ConfigError, ParallelConfig
+from pai_cookbook.core.checkpoints import checkpoint, families
+from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
+from pai_cookbook.core.launching import launch
 from pai_cookbook.generate import GenerationConfig
 from tests.conftest import on_both_ends
 
@@ -78,7 +79,7 @@ def test_greedy_equals_transformers_at_tp1_and_tp2(family, checkpoints, first_la
 
 @pytest.mark.multiproc
 def test_every_result_records_the_engine_and_path_that_ran(first_launch):
-    from pai_cookbook.core import versions
+    from pai_cookbook.core.machine import versions
 
     expected = {"megatron_core": str(versions.megatron_core_version()), "engine": "StaticInferenceEngine",
                 "path": "static batching (legacy=True)", "padding": "left", "kv_cache": True}
@@ -278,7 +279,7 @@ def test_a_new_batch_never_reuses_the_previous_batchs_mask():
 
     import torch
 
-    from pai_cookbook.core import attention
+    from pai_cookbook.core.modeling import attention
 
     context = SimpleNamespace(batch_size_offset=0, sequence_len_offset=5)
     masks = []

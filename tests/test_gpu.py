@@ -17,10 +17,21 @@ from pathlib import Path
 import pytest
 
 from pai_cookbook import convert, data, fp8, generate, hf_baseline, parity, train
-from pai_cookbook.core import checkpoint, launch, runtime, throughput, tokenizer
-from pai_cookbook.core.config import CheckpointConfig, DataConfig, FP8Config, OptimizerConfig, PrecisionConfig, RunConfig
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import (
+    CheckpointConfig,
+    DataConfig,
+    FP8Config,
+    OptimizerConfig,
+    PrecisionConfig,
+    RunConfig,
+)
+from pai_cookbook.core.launching import launch
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.measures import throughput
+from pai_cookbook.core.text import tokenizer
+from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 from pai_cookbook.generate import GenerationConfig
-from pai_cookbook.tiny_models import make_tiny_hf_model
 from tests.conftest import tiny_run
 from tests.workers.scenarios import Scenario
 

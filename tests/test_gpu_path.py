@@ -1,8 +1,8 @@
 """The GPU path on the CPU: Megatron-Core's local spec as a GPU without Transformer Engine builds it
-(`PAI_COOKBOOK_LAYERS=local`), every worker under the device guard (`core.device_guard`), which fails where a GPU
+(`PAI_COOKBOOK_LAYERS=local`), every worker under the device guard (`core.machine.device_guard`), which fails where a GPU
 would fail on a tensor made on the host and met by the model's.
 
-- the decision itself (`runtime.choose_layers`) and what a run records (`runtime.layer_record`);
+- the decision itself (`build.choose_layers`) and what a run records (`build.record`);
 - no cookbook CPU converter in a model built on that path, and the converters present on the CPU path;
 - greedy generation equal to transformers with prompts of different lengths (left-padded: tiny Llama and Qwen2-MoE
   at TP=1 and TP=2; a repetition penalty and seeded sampling ride along) under the guard;
@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from pai_cookbook import extend, generate, hf_baseline, reward_model, rlhf, sft
-from pai_cookbook.core import device_guard, families, runtime, throughput
-from pai_cookbook.core.config import DataConfig, ParallelConfig
-from pai_cookbook.core.model import training_flops_per_token
+from pai_cookbook.core.checkpoints import families
+from pai_cookbook.core.configs.config import DataConfig, ParallelConfig
+from pai_cookbook.core.machine import build, device_guard, runtime
+from pai_cookbook.core.measures import throughput
+from pai_cookbook.core.modeling.model import training_flops_per_token
 from pai_cookbook.generate import GenerationConfig
 from tests.conftest import tiny_run
 
@@ -40,25 +42,25 @@ CPU_PACKAGE = "pai_cookbook.cpu"
 def gpu_path():
     """Every launch of the module on the local layers, under the device guard (the workers inherit both)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(runtime.LAYERS_ENV, runtime.LOCAL_LAYERS)
+        patch.setenv(build.LAYERS_ENV, build.LOCAL_LAYERS)
         patch.setenv(device_guard.ENV, "1")
         yield
 
 
 def _is_gpu_path_record(record: dict) -> bool:
-    return (record["layers"] == runtime.LOCAL_LAYERS and record["cpu_converters"] == []
-            and record["swaps"] == sorted(runtime.GPU_SWAPS | runtime.LOCAL_SWAPS)
+    return (record["layers"] == build.LOCAL_LAYERS and record["cpu_converters"] == []
+            and record["swaps"] == sorted(build.GPU_SWAPS | build.LOCAL_SWAPS)
             and "left_padded_kv_cache" in record["swaps"])
 
 
 @pytest.mark.parametrize("is_cuda, te, asked, chosen", [
-    (False, False, None, runtime.CPU_LAYERS), (False, False, "auto", runtime.CPU_LAYERS),
-    (False, False, "local", runtime.LOCAL_LAYERS), (True, False, None, runtime.LOCAL_LAYERS),
-    (True, True, None, runtime.TE_LAYERS), (True, True, "local", runtime.LOCAL_LAYERS),
+    (False, False, None, build.CPU_LAYERS), (False, False, "auto", build.CPU_LAYERS),
+    (False, False, "local", build.LOCAL_LAYERS), (True, False, None, build.LOCAL_LAYERS),
+    (True, True, None, build.TE_LAYERS), (True, True, "local", build.LOCAL_LAYERS),
 ])
 def test_one_decision_picks_the_layers(is_cuda, te, asked, chosen):
-    environ = {} if asked is None else {runtime.LAYERS_ENV: asked}
-    assert runtime.choose_layers(is_cuda, te, environ) == chosen
+    environ = {} if asked is None else {build.LAYERS_ENV: asked}
+    assert build.choose_layers(is_cuda, te, environ) == chosen
 
 
 @pytest.mark.parametrize("is_cuda, te, asked, message", [
@@ -68,19 +70,21 @@ def test_one_decision_picks_the_layers(is_cuda, te, asked, chosen):
 ])
 def test_layers_a_machine_cannot_build_are_refused(is_cuda, te, asked, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        runtime.choose_layers(is_cuda, te, {runtime.LAYERS_ENV: asked})
+        build.choose_layers(is_cuda, te, {build.LAYERS_ENV: asked})
 
 
 def test_the_record_names_what_each_path_adds():
 
     device = runtime.detect_device()
-    assert device.layers == runtime.CPU_LAYERS  # this machine's default (no CUDA), unless the environment says
-    record = runtime.layer_record(device)
-    assert record["cpu_converters"] == sorted(runtime.CPU_CONVERTERS) and "fused_cpu_adam" in record["cpu_converters"]
+    assert device.layers == build.CPU_LAYERS  # this machine's default (no CUDA), unless the environment says
+    record = build.record(device)
+    assert record["cpu_converters"] == sorted(build.CPU_CONVERTERS) and "fused_cpu_adam" in record["cpu_converters"]
     te = runtime.DeviceInfo(is_cuda=True, name="NVIDIA H100 80GB HBM3", count=1, compute_capability=(9, 0),
                             backend="nccl", has_transformer_engine=True, has_flash_attn=False,
-                            layers=runtime.TE_LAYERS)
-    assert runtime.layer_record(te) == {"layers": runtime.TE_LAYERS, "swaps": ["seeded_init"], "cpu_converters": []}
+                            layers=build.TE_LAYERS)
+    assert build.record(te) == {"layers": build.TE_LAYERS, "swaps": ["seeded_init", "vocab_padding_mask"],
+                                "cpu_converters": [], "fused_kernels": sorted(build.FUSED_KERNELS), "grouped_gemm": True}
+    assert record["fused_kernels"] == [] and record["grouped_gemm"] is False
     report = runtime.environment_report()["runs_here"]
     assert report["layers"] == "Megatron-Core local + CPU converters" and "fused_cpu_adam" in report["cpu converters"]
 
@@ -94,16 +98,16 @@ def test_no_cpu_converter_is_built_on_the_local_path(run_scenario, monkeypatch):
         config = tiny_run(family)
         cpu_path = run_scenario(config, 1, "module_types")
         assert any(m.startswith(CPU_PACKAGE) for m in cpu_path["modules"]), cpu_path
-        monkeypatch.setenv(runtime.LAYERS_ENV, runtime.LOCAL_LAYERS)
+        monkeypatch.setenv(build.LAYERS_ENV, build.LOCAL_LAYERS)
         local = run_scenario(config, 1, "module_types")
-        monkeypatch.delenv(runtime.LAYERS_ENV)
+        monkeypatch.delenv(build.LAYERS_ENV)
         assert not any(m.startswith(CPU_PACKAGE) for m in local["modules"]), local
         assert cpu_path["cpu_package_imported"] and not local["cpu_package_imported"]  # not even imported
         assert {"SeededTransformerLayer", "LeftPaddedSelfAttention", "SDPAttention", "ColumnParallelLinear",
                 "RowParallelLinear"} <= set(local["types"]), local["types"]
         assert _is_gpu_path_record(local["layers"]), local["layers"]
         # ...and the run's log says so first (rank 0's "layers" event, in the log, not echoed into a notebook)
-        assert [e["layers"] for e in local["events"] if e["event"] == "layers"] == [runtime.LOCAL_LAYERS]
+        assert [e["layers"] for e in local["events"] if e["event"] == "layers"] == [build.LOCAL_LAYERS]
 
 
 GENERATED = ("llama", "qwen2_moe", "deepseek_v3")

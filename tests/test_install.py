@@ -87,7 +87,7 @@ def test_the_range_checked_at_import_is_the_one_pyproject_declares():
     import tomllib
     from packaging.requirements import Requirement
 
-    from pai_cookbook.core import versions
+    from pai_cookbook.core.machine import versions
 
     declared = {Requirement(d).name: Requirement(d).specifier
                 for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}

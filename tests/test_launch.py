@@ -10,8 +10,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pai_cookbook.core import failures, launch, runtime, worker
-from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
+from pai_cookbook.core.configs.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig
+from pai_cookbook.core.launching import failures, launch, worker
+from pai_cookbook.core.machine import runtime
 from tests.conftest import tiny_run
 from tests.workers.launch_probe import ProbeJob, SteppingProbeJob
 
@@ -101,7 +102,7 @@ def _launcher_with_hanging_workers(tmp_path: Path, nproc: int = 2) -> tuple[subp
     # SIGINT handled as a notebook kernel handles it, even when this test runs in the background (a shell
     # without job control starts background jobs, and so their children, with SIGINT ignored).
     code = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            f"from pai_cookbook.core import launch; from tests.workers.launch_probe import ProbeJob; "
+            f"from pai_cookbook.core.launching import launch; from tests.workers.launch_probe import ProbeJob; "
             f"launch.launch(ProbeJob(mode='hang', run_dir={str(tmp_path)!r}), nproc_per_node={nproc}, "
             f"run_dir={str(tmp_path)!r})")
     caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from pai_cookbook.core import families, runtime
-from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
+from pai_cookbook.core.checkpoints import families
+from pai_cookbook.core.configs.config import ParallelConfig, PrecisionConfig
+from pai_cookbook.core.machine import runtime
 
 
 def test_lean_linears_compute_megatron_cores_forward_bit_for_bit_and_train_through_it():
@@ -65,7 +66,7 @@ def _static_decode(gpt, model, tokens: torch.Tensor, steps: int, left_padding: l
     the rows left-padded by `left_padding` tokens (masked, positions from each row's first real token) if given."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    from pai_cookbook.core.attention import LEFT_PADDING
+    from pai_cookbook.core.modeling.attention import LEFT_PADDING
     from pai_cookbook.workers.engine import inference_mode
 
     rows, width = tokens.shape

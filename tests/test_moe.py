@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from pai_cookbook import convert, moe
-from pai_cookbook.core import checkpoint
-from pai_cookbook.core.config import CheckpointConfig, ConfigError, ParallelConfig
-from pai_cookbook.tiny_models import make_tiny_hf_model
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import CheckpointConfig, ConfigError, ParallelConfig
+from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 from tests.conftest import tiny_run
 
 STEPS = 20
@@ -104,7 +104,7 @@ def test_upcycled_model_starts_as_the_dense_model(run_scenario, tmp_path):
 
 
 def test_upcycling_refuses_what_would_change_the_function():
-    from pai_cookbook.core import families
+    from pai_cookbook.core.checkpoints import families
 
     dense = families.tiny("llama")
     with pytest.raises(ConfigError, match=r"\['moe_expert_capacity_factor'\] would make the upcycled model"):

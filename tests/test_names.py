@@ -1,5 +1,5 @@
 """Every dotted name the project cites in backticks (docs, README, notebook markdown, docstrings and comments) exists:
-`core.attention.LatentSelfAttention`, `workers.engine.token_logprobs`, `pai_cookbook.convert.hf_to_megatron`. A name
+`core.modeling.attention.LatentSelfAttention`, `workers.engine.token_logprobs`, `pai_cookbook.convert.hf_to_megatron`. A name
 is checked when it starts with one of the package's own modules or subpackages (a file name such as `convert.py` is
 not a name); old names kept as history are written in quotes, not backticks (docs/cpu-history.md)."""
 
@@ -68,7 +68,7 @@ PATH = re.compile(r"(?<![\w/.\"-])(?<!'s `)((?:docs|scripts|ci|tests|notebooks|p
 
 
 def test_every_cited_repository_path_exists():
-    """Paths such as docs/planning.md, scripts/benchmark_train.py, pai_cookbook/core/compat.py."""
+    """Paths such as docs/planning.md, scripts/benchmark_train.py, pai_cookbook/core/machine/compat.py."""
     missing = sorted({(m.group(1), where) for where, text in _texts().items() for m in PATH.finditer(text)
                       if not (REPO / m.group(1)).exists()})
     assert not missing, missing

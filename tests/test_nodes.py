@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pai_cookbook import convert
-from pai_cookbook.core.runtime import free_port
+from pai_cookbook.core.machine.runtime import free_port
 
 PIPELINE = str(Path(__file__).parent / "workers" / "node_pipeline.py")
 NODE_TIMEOUT_S = 420

@@ -10,7 +10,7 @@ import pytest
 
 from ci.prose_numbers import unprinted
 from ci.run_notebooks import TINY, execute_notebook, notebooks
-from pai_cookbook.report import load_metrics
+from pai_cookbook.notebook.report import load_metrics
 
 
 def check_quickstart(m: dict) -> None:
@@ -300,7 +300,7 @@ MAX_PROGRESS_LINES = 5
 QUIET = ("Transformer Engine and Apex are not installed", "IProgress not found", "No CUDA runtime is found",
          "GPTModel IS DEPRECATED", "MimoModelConfig is experimental")
 # A bar saved as the 0% it was first drawn at (a widget's text without its state). The cookbook's bars end as their
-# last line (core.progress); transformers' own, from a notebook cell's direct from_pretrained, are left as they are.
+# last line (core.launching.progress); transformers' own, from a notebook cell's direct from_pretrained, are left as they are.
 STALE_BAR = re.compile(r"^(?!Loading weights)[^\n]*:\s+0%\|.*\|\s*0/\d+ \[")
 
 

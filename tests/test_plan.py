@@ -2,7 +2,7 @@
 
 Each configuration trains two steps through `workers.training.train` with `measure_memory=True` on Megatron-Core's
 local spec (`PAI_COOKBOOK_LAYERS=local`, upstream's layers, as a GPU without Transformer Engine runs them), and every
-rank's weights, gradient buffers, optimizer state and peak saved activations (`core.memory_probe`) are compared with
+rank's weights, gradient buffers, optimizer state and peak saved activations (`core.measures.memory_probe`) are compared with
 `plan.memory.stage_memory` for that rank's pipeline stage: each within 5%. Configurations with the same world share one
 launch. Context parallelism is not among them: Megatron-Core's local attention refuses it (docs/planning.md).
 """
@@ -13,9 +13,17 @@ import dataclasses
 
 import pytest
 
-from pai_cookbook.core import families, launch
-from pai_cookbook.core.config import DataConfig, MemoryConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, RunConfig
-from pai_cookbook.core.model_config import ConfigError
+from pai_cookbook.core.checkpoints import families
+from pai_cookbook.core.configs.config import (
+    DataConfig,
+    MemoryConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+)
+from pai_cookbook.core.configs.model_config import ConfigError
+from pai_cookbook.core.launching import launch
 from pai_cookbook.plan import __main__ as plan_cli
 from pai_cookbook.plan import activations, hardware, layouts, memory, speed, states
 from pai_cookbook.plan.hardware import Cluster
@@ -183,7 +191,7 @@ PUBLISHED = {"Llama-3.2-3B": (3.21e9, None), "Qwen3-8B": (8.2e9, None), "Qwen3-3
 def test_named_shapes_have_their_published_parameter_counts(name):
     """Every weight the plan holds, and the weights a token uses (from the training FLOPs, the embedding lookup added
     back), within 2% of the model card's rounded figures (Qwen3-30B-A3B: 3.35B activated against "3.3B")."""
-    from pai_cookbook.core.model import training_flops_per_token
+    from pai_cookbook.core.modeling.model import training_flops_per_token
 
     model, (total, activated) = SHAPES[name], PUBLISHED[name]
     held = states.chunk_params(model, Layout(), 0, 0)

@@ -1,4 +1,4 @@
-"""core.progress: in a notebook's saved copy each of the cookbook's bars reads as its last line, not as the 0% it
+"""core.launching.progress: in a notebook's saved copy each of the cookbook's bars reads as its last line, not as the 0% it
 was first drawn at; transformers' bars are off only inside `quiet_transformers`."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import nbformat
 from nbclient import NotebookClient
 
-from pai_cookbook.core import progress
+from pai_cookbook.core.launching import progress
 
 CELL = """
-from pai_cookbook.core import progress
+from pai_cookbook.core.launching import progress
 
 done = progress.bar(total=3, desc="finished")
 for _ in range(3):
@@ -64,7 +64,7 @@ def test_quiet_transformers_silences_the_gguf_readers_bar_and_restores_it():
     made SmolLM2's folder on a fresh cache kept it at 0% (notebook 02 in CI on a clean cache)."""
     from transformers import modeling_gguf_pytorch_utils as gguf
 
-    from pai_cookbook.core.progress import quiet_transformers
+    from pai_cookbook.core.launching.progress import quiet_transformers
 
     original = gguf.tqdm
     with quiet_transformers():

@@ -5,9 +5,11 @@ import time
 
 import pytest
 
-from pai_cookbook import convert, generate, hf_baseline, parity, smollm2
-from pai_cookbook.core import checkpoint, device_guard, runtime
-from pai_cookbook.core.config import ParallelConfig
+from pai_cookbook import convert, generate, hf_baseline, parity
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import ParallelConfig
+from pai_cookbook.core.machine import build, device_guard
+from pai_cookbook.fixtures import smollm2
 from pai_cookbook.generate import GenerationConfig
 
 pytestmark = [pytest.mark.real_model, pytest.mark.multiproc]
@@ -58,12 +60,12 @@ def test_round_trip_is_bitwise(smol, tmp_path):
     assert convert.compare_hf_checkpoints(hf, tmp_path / "back")["bitwise_identical"]
 
 
-@pytest.mark.parametrize("layers", [runtime.CPU_LAYERS, runtime.LOCAL_LAYERS])
+@pytest.mark.parametrize("layers", [build.CPU_LAYERS, build.LOCAL_LAYERS])
 def test_greedy_chat_equals_transformers(smol, tmp_path, layers, monkeypatch):
     """Three chats of different lengths in one left-padded batch, on the CPU path and on the GPU's local path under
-    the device guard (`core.device_guard`)."""
-    monkeypatch.setenv(runtime.LAYERS_ENV, layers)
-    if layers == runtime.LOCAL_LAYERS:
+    the device guard (`core.machine.device_guard`)."""
+    monkeypatch.setenv(build.LAYERS_ENV, layers)
+    if layers == build.LOCAL_LAYERS:
         monkeypatch.setenv(device_guard.ENV, "1")
     hf, ckpt = smol
     config = GenerationConfig(max_new_tokens=32, repetition_penalty=1.0)

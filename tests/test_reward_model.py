@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pai_cookbook import convert, generate, reward_model, rl, rlhf
-from pai_cookbook.core import checkpoint, tokenizer
-from pai_cookbook.core.config import ConfigError, ParallelConfig
+from pai_cookbook import convert, generate, reward_model, rlhf
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
+from pai_cookbook.core.rl import rl_math as rl
+from pai_cookbook.core.text import tokenizer
 
 WORDS = "the a model data token layer train python code test".split()
 

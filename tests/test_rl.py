@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pai_cookbook import rl
+from pai_cookbook.core.rl import rl_math as rl
 
 
 def test_gae_on_three_steps():

@@ -10,9 +10,10 @@ reward model.
 
 import pytest
 
-from pai_cookbook import rl, rlhf
-from pai_cookbook.core.config import ConfigError, ParallelConfig
-from pai_cookbook.rl import RLError
+from pai_cookbook import rlhf
+from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
+from pai_cookbook.core.rl import rl_math as rl
+from pai_cookbook.core.rl.rl_math import RLError
 from tests.workers.rewards import brevity
 
 PROMPTS = ["The Python language reference describes", "def f(x): return", "In the beginning",
@@ -180,7 +181,7 @@ def test_a_reward_that_fails_mid_run_saves_the_finished_steps_and_the_rerun_resu
     """Issue 39, finding 5: a reward that raised at step 3 ended the run with nothing saved (save_interval=0). Now the
     error names the prompt and completion, the 2 finished steps are saved, and the same call with a working reward
     resumes there."""
-    from pai_cookbook.core.launch import WorkerError
+    from pai_cookbook.core.launching.launch import WorkerError
 
     config = CONFIG.__class__(**{**vars(CONFIG), "steps": 4, "save_interval": 0})  # no checkpoint before the last
     save_dir = tmp_path / "grpo"

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from pai_cookbook.core import runtime
+from pai_cookbook.core.machine import runtime
 
 
 def test_single_machine_gets_a_free_local_port():
@@ -33,7 +33,7 @@ def test_a_one_process_world_binds_no_port():
         taken.listen()
         env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(taken.getsockname()[1]), "RANK": "0",
                             "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-        code = ("import torch; from pai_cookbook.core import runtime; runtime.init_distributed(None, 0); "
+        code = ("import torch; from pai_cookbook.core.machine import runtime; runtime.init_distributed(None, 0); "
                 "print('world', torch.distributed.get_world_size())")
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -67,7 +67,7 @@ def test_cpu_device_uses_gloo_and_local_layers():
     device = runtime.detect_device()
     assert device.backend == "gloo" and not device.is_cuda and not device.supports_fp8
     report = runtime.environment_report()
-    from pai_cookbook.core import versions
+    from pai_cookbook.core.machine import versions
 
     assert report["runs_here"]["cpu compatibility layer"]
     assert report["versions"]["megatron-core"] == str(versions.megatron_core_version())

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from pai_cookbook import sft, smollm2
-from pai_cookbook.core import tokenizer
-from pai_cookbook.core.config import CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig
+from pai_cookbook import sft
+from pai_cookbook.core.configs.config import CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig
+from pai_cookbook.core.text import tokenizer
+from pai_cookbook.fixtures import smollm2
 from tests.conftest import tiny_run
 
 CONVERSATION = {"line": 1, "messages": [
@@ -335,7 +336,7 @@ def test_per_token_losses_of_packed_rows_match_transformers_padding_free(packed_
     conversations) and in transformers (each row's conversations end to end, positions restarting at each,
     use_cache=False): every loss position within 1e-4 in fp32 (measured 9.5e-7)."""
     from pai_cookbook import convert, hf_baseline
-    from pai_cookbook.tiny_models import make_tiny_hf_model
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 
     hf = make_tiny_hf_model("llama", tmp_path / "hf")
     convert.hf_to_megatron(hf, tmp_path / "mcore", run_dir=tmp_path / "convert")
@@ -375,8 +376,8 @@ def test_a_set_that_does_not_fit_the_run_is_refused_before_launch(packed_set, tm
 def test_checkpoints_carry_the_template_the_set_was_prepared_with(tmp_path):
     """Finding 5: `prepare(template=X)` trained with X while the checkpoint kept the tokenizer's own template."""
     from pai_cookbook import convert, train
-    from pai_cookbook.core import checkpoint
-    from pai_cookbook.tiny_models import make_tiny_hf_model
+    from pai_cookbook.core.checkpoints import checkpoint
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 
     tokenizer.byte_level(sft.CHATML).save_pretrained(tmp_path / "tokenizer")
     hf = make_tiny_hf_model("llama", tmp_path / "hf", tokenizer_dir=tmp_path / "tokenizer")

@@ -1,4 +1,4 @@
-"""SFT loss masks on real chat templates and vocabularies (pai_cookbook/real_templates.py: llama.cpp's copies of
+"""SFT loss masks on real chat templates and vocabularies (pai_cookbook/fixtures/real_templates.py: llama.cpp's copies of
 released models' templates, fetched once with pip), checked against a reference that shares no code with the
 cookbook's masks.
 
@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from pai_cookbook import real_templates, sft
-from pai_cookbook.core import tokenizer as tokenizers
+from pai_cookbook import sft
+from pai_cookbook.core.text import tokenizer as tokenizers
+from pai_cookbook.fixtures import real_templates
 
 pytestmark = pytest.mark.real_model
 

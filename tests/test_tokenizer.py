@@ -3,8 +3,8 @@ tokenizers apart."""
 
 import pytest
 
-from pai_cookbook import tiny_models
-from pai_cookbook.core import tokenizer
+from pai_cookbook.core.text import tokenizer
+from pai_cookbook.fixtures import tiny_models
 
 
 def test_tiny_models_carry_the_same_tokenizer_every_time(tmp_path):

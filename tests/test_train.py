@@ -8,8 +8,8 @@ import psutil
 import pytest
 
 from pai_cookbook import train
-from pai_cookbook.core import checkpoint, families
-from pai_cookbook.core.config import CheckpointConfig, ConfigError, DataConfig, OptimizerConfig, ParallelConfig
+from pai_cookbook.core.checkpoints import checkpoint, families
+from pai_cookbook.core.configs.config import CheckpointConfig, ConfigError, DataConfig, OptimizerConfig, ParallelConfig
 from pai_cookbook.workers import training as train_worker
 from tests.conftest import tiny_run, train_in_background
 
@@ -102,7 +102,7 @@ def test_training_flops_are_six_per_weight_plus_attention(family):
     # plus 12 x layers x seq x (heads x head_dim) for attention scores and values.
     import transformers
 
-    from pai_cookbook.core.model import training_flops_per_token
+    from pai_cookbook.core.modeling.model import training_flops_per_token
     model, seq = families.tiny(family), 32
     hf = transformers.AutoModelForCausalLM.from_config(families.to_hf(model))
     # tied embeddings count once in num_parameters but are used twice: lookup (free) and lm head
@@ -119,7 +119,7 @@ def test_latent_attention_flops_count_its_latents_and_narrow_values():
     query/key heads 40 wide and the values over heads 20 wide."""
     import transformers
 
-    from pai_cookbook.core.model import training_flops_per_token
+    from pai_cookbook.core.modeling.model import training_flops_per_token
     model, seq = families.tiny("deepseek_v3"), 32
     hf = transformers.AutoModelForCausalLM.from_config(families.to_hf(model))
     attention = sum(p.numel() for n, p in hf.named_parameters() if ".self_attn." in n and p.dim() == 2)
@@ -142,7 +142,7 @@ def test_step_log_is_written_per_step(tmp_path):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     from pai_cookbook import data
-    from pai_cookbook.core.tokenizer import make_tokenizer
+    from pai_cookbook.core.text.tokenizer import make_tokenizer
 
     folder = tmp_path_factory.mktemp("corpus")
     make_tokenizer(256).save_pretrained(folder / "tokenizer")
@@ -176,7 +176,7 @@ def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scena
 
 # The 2026 families' layouts: Qwen3's query and key norms over heads 24 wide where hidden / heads is 16 (a split that
 # assumed hidden / heads would cut the QKV weight in the wrong places); DeepSeek-V3's latents (its down projections
-# split over TP and gathered: `core.attention.LatentSelfAttention`, without which TP=2 drifted 1e-5 from one process
+# split over TP and gathered: `core.modeling.attention.LatentSelfAttention`, without which TP=2 drifted 1e-5 from one process
 # by step 3), value heads narrower than query heads, grouped sigmoid routing whose expert bias moves every step, and a
 # shared expert, at TP=2 with sequence parallelism (an MoE model needs it at TP > 1) and at EP=2; GLM-4.5's half-rotating
 # heads with q/k/v biases and q/k norms, and the same router, likewise.
@@ -239,7 +239,7 @@ def test_a_sweep_trains_each_run_as_run_would_and_logs_each_in_its_own_folder(tm
 
 @pytest.mark.multiproc
 def test_fused_attention_computes_what_megatron_cores_unfused_attention_does(run_scenario):
-    """`core.attention.SDPAttention` (the CPU default) against Megatron-Core's DotProductAttention, one seed, fp32,
+    """`core.modeling.attention.SDPAttention` (the CPU default) against Megatron-Core's DotProductAttention, one seed, fp32,
     grouped-query attention (4 heads, 2 groups): logits of a causal batch and of packed rows with the block-
     diagonal mask within 1e-5 (the issue's bound; measured 2.1e-7 and 1.2e-7), and one backward pass's gradients
     within 1e-5 (measured 8.4e-9, the largest gradient 3.5e-2)."""
@@ -255,14 +255,14 @@ def test_fused_attention_computes_what_megatron_cores_unfused_attention_does(run
 @pytest.mark.multiproc
 def test_training_rotary_and_swiglu_compute_what_megatron_cores_do_bit_for_bit(run_scenario):
     """The local spec's training path rotates queries and keys without Megatron-Core's pass-through copies
-    (`core.attention.rotate`) and runs SwiGLU as one autograd function (`cpu.glu`): one forward/backward of each
+    (`core.modeling.attention.rotate`) and runs SwiGLU as one autograd function (`cpu.glu`): one forward/backward of each
     model, once that way and once through Megatron-Core's `apply_rotary_pos_emb` and `MLP.forward`, gives the same
     loss and every parameter's gradient bit for bit (so nothing trained changes: notebook 08's PPO run without the
     KL penalty moved on a 1e-7 difference, docs/cpu-history.md). Grouped-query attention (Llama, also
     bf16 and an MLP width of 100, whose vector loops end in a remainder), biases and a tied embedding (Qwen2), query
     and key norms with experts (Qwen3-MoE, whose experts keep Megatron-Core's MLP), a sliding window (Mistral), query
     and key norms with a head width of their own (Qwen3)."""
-    from pai_cookbook.core.config import PrecisionConfig
+    from pai_cookbook.core.configs.config import PrecisionConfig
 
     data = DataConfig(seq_length=48, micro_batch_size=3, global_batch_size=3)
     configs = [tiny_run("llama", data=data), tiny_run("llama", data=data, precision=PrecisionConfig(dtype="bf16")),
@@ -289,10 +289,10 @@ def test_cpu_training_steps_with_torchs_fused_adam_and_resumes_exactly(run_scena
     mixed precision (fp32 main parameters), and with the distributed optimizer (also for a Mixtral at EP=2, whose
     experts get an optimizer of their own in Megatron-Core's chain). Each fused run saves after its third step and
     goes on two more; a resume from that save fuses the groups again and takes the same two steps with exactly the
-    same losses. With the distributed optimizer that needs `core.checkpoint`'s handling of torch's
+    same losses. With the distributed optimizer that needs `core.checkpoints.checkpoint`'s handling of torch's
     Adam under Megatron-Core's distributed optimizer (its state filled before the load, each step count set after:
     without it the second resumed step's loss differed by 5.6e-4)."""
-    from pai_cookbook.core.config import PrecisionConfig
+    from pai_cookbook.core.configs.config import PrecisionConfig
 
     data = DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=4)
 

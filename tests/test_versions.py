@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pai_cookbook.core import versions
+from pai_cookbook.core.machine import versions
 
 pytestmark = [pytest.mark.releases, pytest.mark.multiproc]
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,8 +39,8 @@ CASES = {"llama": ({"tensor_model_parallel_size": 1}, {"tensor_model_parallel_si
 END = """
 import json, sys
 from pai_cookbook import convert, parity
-from pai_cookbook.core.config import ParallelConfig
-from pai_cookbook.core import versions
+from pai_cookbook.core.configs.config import ParallelConfig
+from pai_cookbook.core.machine import versions
 a = json.loads(sys.argv[1])
 rows = {"version": str(versions.megatron_core_version())}
 if a["out"]:
@@ -84,7 +84,7 @@ def _logits(row: dict) -> torch.Tensor:
                     "0.16 (this end 0.19) or bash ci/setup_env.sh (this end 0.16); CI sets up both")
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_a_checkpoint_moves_between_megatron_core_releases_both_ways(family, tmp_path):
-    from pai_cookbook.tiny_models import make_tiny_hf_model
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 
     this_save, other_save, this_load, other_load = CASES[family]
     hf = make_tiny_hf_model(family, tmp_path / "hf")
@@ -110,8 +110,9 @@ def test_a_checkpoint_moves_between_megatron_core_releases_both_ways(family, tmp
 TRAIN = """
 import json, sys
 from pai_cookbook import train
-from pai_cookbook.core import families, versions
-from pai_cookbook.core.config import CheckpointConfig, DataConfig, OptimizerConfig, RunConfig
+from pai_cookbook.core.checkpoints import families
+from pai_cookbook.core.machine import versions
+from pai_cookbook.core.configs.config import CheckpointConfig, DataConfig, OptimizerConfig, RunConfig
 a = json.loads(sys.argv[1])
 config = RunConfig(model=families.tiny("llama"), train_iters=a["iters"],
                    data=DataConfig(seq_length=16, micro_batch_size=2, global_batch_size=4),
@@ -136,7 +137,7 @@ def test_a_training_run_resumes_on_the_other_release_both_ways(tmp_path):
     for bit both ways; the bound is the fp32 parity bound of every layout check, as the releases may round apart."""
     import shutil
 
-    from pai_cookbook.core import checkpoint
+    from pai_cookbook.core.checkpoints import checkpoint
 
     ends = {"here": sys.executable, "there": _other_python()}
     straight = {end: _train(python, tmp_path / f"{end}-straight", 4, tmp_path / f"runs/{end}-straight")

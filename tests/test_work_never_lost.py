@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from pai_cookbook import train
-from pai_cookbook.core import checkpoint, damage, lock, worker
-from pai_cookbook.core.config import (
+from pai_cookbook.core.checkpoints import checkpoint, damage
+from pai_cookbook.core.configs.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -24,7 +24,8 @@ from pai_cookbook.core.config import (
     ParallelConfig,
     PrecisionConfig,
 )
-from pai_cookbook.core.launch import WorkerError
+from pai_cookbook.core.launching import lock, worker
+from pai_cookbook.core.launching.launch import WorkerError
 from tests.conftest import tiny_run, train_in_background
 
 QUIET = {"show_progress": False, "echo": False}
@@ -90,7 +91,7 @@ def test_a_run_driven_to_nan_stops_at_that_step_and_its_last_finite_checkpoint_r
 def _holder(folder, tmp_path) -> subprocess.Popen:
     """Another process holding `folder`'s lock (as a running launch does) until it is killed."""
     ready = tmp_path / f"held-{Path(folder).name}"
-    code = (f"import time; from pathlib import Path; from pai_cookbook.core import lock\n"
+    code = (f"import time; from pathlib import Path; from pai_cookbook.core.launching import lock\n"
             f"with lock.hold({str(folder)!r}, 'training'):\n"
             f"    Path({str(ready)!r}).touch(); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code])
@@ -105,7 +106,7 @@ def test_a_second_writer_of_a_folder_is_refused_before_it_touches_it(tmp_path):
     output another process writes, are refused before any check deletes anything (a `.partial` of the first writer
     survives)."""
     from pai_cookbook import convert
-    from pai_cookbook.tiny_models import make_tiny_hf_model
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 
     save_dir, run_dir, out = tmp_path / "ckpt", tmp_path / "run", tmp_path / "converted"
     (save_dir / "iter_0000002.partial").mkdir(parents=True)  # the first writer's save in progress
@@ -178,7 +179,8 @@ def test_inputs_that_gave_silent_wrong_results_or_raw_errors_are_refused_naming_
     (ZeroDivisionError)."""
     import json
 
-    from pai_cookbook import data, extend, sft, smollm2
+    from pai_cookbook import data, extend, sft
+    from pai_cookbook.fixtures import smollm2
 
     with pytest.raises(ConfigError, match=r"texts must be a list of strings \(a single string would be learned one "
                                           r"character at a time.*got one str .*pass \['some string'\]"):

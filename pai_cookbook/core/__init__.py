@@ -1,14 +1,19 @@
-"""The engine every step of the cookbook shares, in the notebook process and in the torchrun workers.
+"""The engine every step of the cookbook shares, in the notebook process and in the torchrun workers, in rooms
+by purpose:
 
-runtime (device, backend, launch environment), compat and standins (the CPU compatibility layer),
-launch and worker (the two sides of a torchrun launch: typed jobs as JSON), nodes (host-side steps of
-a multi-node job on node 0 only), config and model_config (validated dataclasses), layout (which
-parallel layouts fit a model and a world), families and hf_mapping (Hugging Face <-> Megatron-Core
-names and shapes), model (Megatron-Core GPT models), checkpoint (atomic, self-describing checkpoints),
-tokenizer (load, copy, fingerprint, chat templates, the tiny tokenizer).
+- `machine`: where a run runs and what it builds there: the device and the launch environment (`runtime`), the one
+  build plan (`build`), Megatron-Core on a CPU (`compat`, `standins`, `megatron_import`), the supported releases
+  (`versions`), the device guard CI runs under.
+- `launching`: the two sides of a torchrun launch (`launch`, `worker`), typed jobs as JSON (`job`, `jobs`), the
+  folder lock, the processes a launch owns, multi-node host steps, failures, progress, command-line ends, user input.
+- `configs`: validated dataclasses (the training run's `config`, the model's `model_config`, `generation`,
+  `rlhf_config`) and which parallel layouts fit a model and a world (`layout`).
+- `modeling`: Megatron-Core GPT models built from the configs (`model`), their layer spec and its swaps, emulated FP8.
+- `checkpoints`: the cookbook's distributed checkpoints and Hugging Face folders: formats, damage, families and the
+  tensor mapping between them.
+- `text`: tokenizers (fast and SentencePiece), vocabulary extension, prepared data as training reads it.
+- `measures`: what a run reports about itself: throughput, memory, router statistics, logit parity.
+- `rl`: the arithmetic of GRPO and PPO, and reward functions.
 
-What a recipe and its worker share is here too, so the workers import no recipe: jobs (every worker's job but the
-training run's), generation and rlhf_config (the knobs those jobs carry), hf_checkpoint (a Hugging Face folder's
-headers), logit_parity (the parity figures), indexed_data and sft_data (prepared data as training reads it),
-router_stats (an MoE step's router figures), rl_math and reward_functions (GRPO's and PPO's arithmetic and rewards).
+What a recipe and its worker share is here, so the workers import no recipe.
 """

@@ -1,10 +1,11 @@
-"""torch's fused AdamW kernel for Megatron-Core's Adam on CPU parameters (`core.runtime.CPU_CONVERTERS["fused_cpu_adam"]`)."""
+"""torch's fused AdamW kernel for Megatron-Core's Adam on CPU parameters
+(`core.machine.build.CPU_CONVERTERS["fused_cpu_adam"]`)."""
 
 from __future__ import annotations
 
 import torch
 
-from pai_cookbook.core import checkpoint
+from pai_cookbook.core.checkpoints import checkpoint
 
 FUSED_MARK = "cookbook_fused_cpu_adam"
 """Attribute set on a Megatron-Core optimizer `fuse_adam` converted: a checkpoint's load is converted again."""

@@ -1,11 +1,11 @@
-"""The CPU path's self-attention (`core.runtime.CPU_CONVERTERS["lean_attention"]`): the local path's `LeftPaddedSelfAttention`
-with two shortcuts that compute the same values bit for bit.
+"""The CPU path's self-attention (`core.machine.build.CPU_CONVERTERS["lean_attention"]`): the local path's
+`LeftPaddedSelfAttention` with two shortcuts that compute the same values bit for bit.
 
 - Where no gradient is recorded on the local spec at TP=1 (generation, rollouts, scoring), the forward is
   `cpu.lean_layer.attention_forward`: Megatron-Core's calls without its scaffolding for features that are off.
 - Without an inference context (training, scoring with gradients) on unpacked rows, where Megatron-Core would rotate
   queries and keys with one table over whole heads, unfused and not interleaved, they are rotated by
-  `core.attention.rotate` right after the projection (in `_adjust_key_value_for_inference`, which `Attention.forward`
+  `core.modeling.attention.rotate` right after the projection (in `_adjust_key_value_for_inference`, which `Attention.forward`
   calls between the two) and `Attention.forward` is handed no embedding to apply: the same elementwise products and
   sums, so the same values and gradients bit for bit, without two copies of the queries and keys a layer forward
   and three backward (tests/test_train.py).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.attention import SelfAttention, _yarn_get_concentration_factor_from_config
 
-from pai_cookbook.core.attention import LeftPaddedSelfAttention, left_padding_mask, rotate, rotation_tables
+from pai_cookbook.core.modeling.attention import LeftPaddedSelfAttention, left_padding_mask, rotate, rotation_tables
 from pai_cookbook.cpu import lean_layer
 
 

@@ -13,13 +13,14 @@ the same submodules with the same ops in the same order and nothing else, so the
   residual in place; dropout is the identity), the pre-MLP norm, the MLP (Megatron-Core's dense MLP is run as its
   linears and its activation, a mixture of experts through its own module), bias-dropout-add;
 - self-attention: Megatron-Core's own `get_query_key_value_tensors` and `_adjust_key_value_for_inference` (the KV
-  cache; `core.attention`'s rotated keys), its `apply_rotary_pos_emb` on the queries (and keys without a cache),
+  cache; `core.modeling.attention`'s rotated keys), its `apply_rotary_pos_emb` on the queries (and keys without a cache),
   the core attention module, the output projection.
 Anything else (training, gradients on, TP > 1, sequence parallelism, packed sequences, Transformer Engine's spec)
 is Megatron-Core's forward, unchanged. Used by generation, RL rollouts, scoring and evaluation.
 
 `pai_cookbook.cpu.convert_spec` builds layers from `lean_layer_class` and self-attention as
-`cpu.attention.LeanSelfAttention`, which calls `attention_forward` here, on the CPU path only (`core.runtime.CPU_CONVERTERS`).
+`cpu.attention.LeanSelfAttention`, which calls `attention_forward` here, on the CPU path only
+(`core.machine.build.CPU_CONVERTERS`).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def short_attention(attention) -> bool:
 
 def rotates_whole_heads(attention, rotary_pos_emb) -> bool:
     """True where Megatron-Core would rotate queries and keys with one table, over the whole head, unfused and not
-    interleaved: the case `attention_forward` rotates with `core.attention.step_rotation`'s tables."""
+    interleaved: the case `attention_forward` rotates with `core.modeling.attention.step_rotation`'s tables."""
     config = attention.config
     q_pos_emb, k_pos_emb = rotary_pos_emb
     return (q_pos_emb is k_pos_emb and q_pos_emb.shape[-1] == attention.hidden_size_per_attention_head
@@ -150,13 +151,13 @@ def attention_forward(attention, hidden_states: Tensor, attention_mask: Tensor |
     separate rotary cos/sin.
 
     In a static context the queries and the new keys are rotated before the keys are stored (as
-    `core.attention.LeftPaddedSelfAttention` does) with the step's cos and sin, made once for every layer
-    (`core.attention.step_rotation`): `t * cos + rotate_half(t) * sin`, Megatron-Core's `_apply_rotary_pos_emb_bshd`
+    `core.modeling.attention.LeftPaddedSelfAttention` does) with the step's cos and sin, made once for every layer
+    (`core.modeling.attention.step_rotation`): `t * cos + rotate_half(t) * sin`, Megatron-Core's `_apply_rotary_pos_emb_bshd`
     on the same tables, whose last `torch.cat` with an empty pass-through part copies the same values."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 
-    from pai_cookbook.core.attention import rotate, step_rotation
+    from pai_cookbook.core.modeling.attention import rotate, step_rotation
 
     if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
         rotary_pos_emb = (rotary_pos_emb,) * 2

@@ -14,7 +14,7 @@ On a decode step Megatron-Core's wrappers around the GEMM cost more than the GEM
 docs/megatron-core-on-cpu.md has the step before and after.
 
 `pai_cookbook.cpu.convert_spec` puts them wherever the local spec uses Megatron-Core's linears on the CPU path (not
-with emulated FP8, whose linears are `core.fp8`'s); `cpu.convert_output_layer` makes a language model's output layer
+with emulated FP8, whose linears are `core.modeling.fp8`'s); `cpu.convert_output_layer` makes a language model's output layer
 one too (`make_lean`).
 
 **oneDNN's prepacked weights while decoding** (`packed_for_decoding`). PyTorch's CPU matmul is MKL's `sgemm`; for the

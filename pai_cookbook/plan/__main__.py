@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pai_cookbook.core.model_config import ConfigError
+from pai_cookbook.core.configs.model_config import ConfigError
 from pai_cookbook.plan.hardware import GPUS, Cluster, gpu
 from pai_cookbook.plan.layouts import Workload
 from pai_cookbook.plan.memory import FRAMEWORK_OVERHEAD_GIB

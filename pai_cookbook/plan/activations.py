@@ -2,8 +2,8 @@
 schedule on one rank.
 
 What each layer saves is what Megatron-Core 0.16.1's local spec saves with PyTorch's kernels (the cookbook's
-`PAI_COOKBOOK_LAYERS=local` path: `core.attention.SDPAttention` on `scaled_dot_product_attention`'s flash kernel,
-`torch.nn.RMSNorm`), read off the operators and checked against `core.memory_probe` (docs/planning.md lists every
+`PAI_COOKBOOK_LAYERS=local` path: `core.modeling.attention.SDPAttention` on `scaled_dot_product_attention`'s flash kernel,
+`torch.nn.RMSNorm`), read off the operators and checked against `core.measures.memory_probe` (docs/planning.md lists every
 tensor). Per micro-batch of b sequences of s tokens (s = seq / CP), e bytes per activation (2 in bf16, 4 in fp32),
 t = TP, s_n = s / t where sequence parallelism splits the norms' regions (else s), h hidden, q = heads x head_dim,
 kv = groups x head_dim, f = ffn:
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pai_cookbook.core.model_config import ModelConfig
+from pai_cookbook.core.configs.model_config import ModelConfig
 from pai_cookbook.plan.layouts import Layout, Workload
 from pai_cookbook.plan.states import DTYPE_BYTES, chunk_layers, is_first, is_last, is_moe_layer
 

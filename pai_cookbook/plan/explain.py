@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pai_cookbook.core.config import ModelConfig, ParallelConfig, RunConfig
+from pai_cookbook.core.configs.config import ModelConfig, ParallelConfig, RunConfig
 from pai_cookbook.plan import memory, states
 from pai_cookbook.plan.hardware import GIB
 from pai_cookbook.plan.layouts import Layout, Workload

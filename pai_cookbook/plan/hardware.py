@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pai_cookbook.core import throughput
-from pai_cookbook.core.model_config import ConfigError, require
+from pai_cookbook.core.configs.model_config import ConfigError, require
+from pai_cookbook.core.measures import throughput
 
 GIB = 2**30
 LINK_EFFICIENCY = 0.7
@@ -31,7 +31,7 @@ class GPU:
 
     name: str
     datasheet_name: str
-    """Key into `core.throughput.DATASHEET_DENSE_TFLOPS` (as torch names the device)."""
+    """Key into `core.measures.throughput.DATASHEET_DENSE_TFLOPS` (as torch names the device)."""
     memory_gib: float
     """Memory a process can allocate (the marketing GB less what the driver keeps)."""
     nvlink_gbps: float

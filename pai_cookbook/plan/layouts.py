@@ -1,5 +1,5 @@
 """A training layout as a plan sees it (`Layout`), what it trains on (`Workload`), and every valid layout of a model on
-a cluster (`valid_layouts`), valid by the cookbook's own rules: `RunConfig.validate` (`core.layout.check` and the batch
+a cluster (`valid_layouts`), valid by the cookbook's own rules: `RunConfig.validate` (`core.configs.layout.check` and the batch
 rules), never a second copy of them.
 
 Context parallelism (CP) is a planner dimension only: the cookbook's `ParallelConfig` has no CP yet, and Megatron-Core's
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from pai_cookbook.core.config import (
+from pai_cookbook.core.configs.config import (
     ConfigError,
     DataConfig,
     MemoryConfig,
@@ -23,8 +23,8 @@ from pai_cookbook.core.config import (
     PrecisionConfig,
     RunConfig,
 )
-from pai_cookbook.core.layout import divisors
-from pai_cookbook.core.model_config import require
+from pai_cookbook.core.configs.layout import divisors
+from pai_cookbook.core.configs.model_config import require
 
 Recompute = Literal["selective", "full"] | None
 RECOMPUTES: tuple[Recompute, ...] = (None, "selective", "full")

@@ -1,7 +1,7 @@
 """Peak memory per GPU of a layout, split into the terms that make it up (docs/planning.md has each formula).
 
 `stage_memory` predicts one rank of each pipeline stage; `peak_memory` is the most loaded of them. Four terms are
-what `core.memory_probe` measures and tests/test_plan.py holds within 5% of a CPU run: weights, gradients, optimizer
+what `core.measures.memory_probe` measures and tests/test_plan.py holds within 5% of a CPU run: weights, gradients, optimizer
 (`plan.states`) and activations (`plan.activations`). Two are not measurable on the CPU and are stated as assumptions:
 - transient: the loss's working copies of the logits that are not saved for backward (the output layer's logits in e,
   the transposed copy the loss takes, and its fp32 copy: s b V/t (2e + 4) on the last stage, s b V/t x 2e in fp32);
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from pai_cookbook.core.config import RunConfig
-from pai_cookbook.core.model_config import ModelConfig
+from pai_cookbook.core.configs.config import RunConfig
+from pai_cookbook.core.configs.model_config import ModelConfig
 from pai_cookbook.plan import activations, states
 from pai_cookbook.plan.layouts import Layout, Workload, from_run_config
 
@@ -21,7 +21,7 @@ FRAMEWORK_OVERHEAD_GIB = 3.0
 """Assumed, not measured by this project: ~0.5 GiB CUDA context (H100, torch 2.x), ~1 GiB of NCCL buffers for a few
 communicators, and ~1.5 GiB of the caching allocator's fragmentation and cuBLAS workspaces."""
 MEASURED = ("weights", "gradients", "optimizer", "activations")
-"""The terms `core.memory_probe` measures."""
+"""The terms `core.measures.memory_probe` measures."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pai_cookbook.core.model_config import ModelConfig
+from pai_cookbook.core.configs.model_config import ModelConfig
 from pai_cookbook.plan.hardware import GIB, Cluster
 from pai_cookbook.plan.layouts import Layout, Workload, valid_layouts
 from pai_cookbook.plan.memory import FRAMEWORK_OVERHEAD_GIB, StageMemory, peak_memory

@@ -1,12 +1,12 @@
 """Models a plan is made for: a few named shapes (from their published config.json), or any Hugging Face folder the
-cookbook's families read (`core.families.from_hf`)."""
+cookbook's families read (`core.checkpoints.families.from_hf`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pai_cookbook.core import families
-from pai_cookbook.core.model_config import ConfigError, ModelConfig
+from pai_cookbook.core.checkpoints import families
+from pai_cookbook.core.configs.model_config import ConfigError, ModelConfig
 
 _LLAMA3_ROPE = dict(rotary_base=500000.0)
 _QWEN3 = dict(family="qwen3", kv_channels=128, vocab_size=151936, max_position_embeddings=40960, rotary_base=1000000.0,

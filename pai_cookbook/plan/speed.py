@@ -1,7 +1,7 @@
 """Step time of a layout: compute from the training log's FLOP count at a calibrated MFU, plus each communication term
 the layout adds, shown apart (docs/planning.md has each formula).
 
-- compute: model FLOPs of a global batch (`core.model.training_flops_per_token`, the count `workers.run_state` logs MFU
+- compute: model FLOPs of a global batch (`core.modeling.model.training_flops_per_token`, the count `workers.run_state` logs MFU
   with) over world x datasheet peak x the GPU's calibrated MFU (`plan.hardware`). The MFU was measured on one GPU, so
   it includes no communication: every term below is added on top;
 - recompute: full recompute runs every layer's forward again (the forward FLOPs less the output layer's); selective
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from pai_cookbook.core.model import training_flops_per_token
-from pai_cookbook.core.model_config import ModelConfig
+from pai_cookbook.core.configs.model_config import ModelConfig
+from pai_cookbook.core.modeling.model import training_flops_per_token
 from pai_cookbook.plan import states
 from pai_cookbook.plan.hardware import Cluster
 from pai_cookbook.plan.layouts import Layout, Workload

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pai_cookbook.core.model_config import ModelConfig
+from pai_cookbook.core.configs.model_config import ModelConfig
 from pai_cookbook.plan.layouts import Layout, Workload
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -1,8 +1,8 @@
 """Reinforcement learning from rewards on Megatron-Core: GRPO and PPO, with rollouts from Megatron-Core's own engine.
 
 `prepare` (every check before launch), `run` (grpo, ppo, reading a run back); the knobs (`GRPOConfig`, `PPOConfig`),
-the job (`RLJob`) and the reward calls, which the RL worker shares, are `core.rlhf_config`, `core.jobs` and
-`core.reward_functions`.
+the job (`RLJob`) and the reward calls, which the RL worker shares, are `core.configs.rlhf_config`, `core.launching.jobs` and
+`core.rl.reward_functions`.
 
     config = rlhf.GRPOConfig(steps=40, prompts_per_step=4, group_size=8, max_new_tokens=12, lr=1e-5)
     result = rlhf.grpo("sft/iter_0000100", prompts, "pai_cookbook.rewards:exact_answer", config,
@@ -31,9 +31,9 @@ the prompt's own text, the record's answer), and one that fails on a sampled com
 the steps finished. A reward model is a checkpoint `reward_model.train` wrote, with the policy's tokenizer.
 """
 
-from pai_cookbook.core.jobs import RLJob
-from pai_cookbook.core.reward_functions import Reward, resolve_reward, score
-from pai_cookbook.core.rlhf_config import GRPOConfig, PPOConfig
+from pai_cookbook.core.configs.rlhf_config import GRPOConfig, PPOConfig
+from pai_cookbook.core.launching.jobs import RLJob
+from pai_cookbook.core.rl.reward_functions import Reward, resolve_reward, score
 from pai_cookbook.rlhf.prepare import CRITIC, check_reference, prepare, records_of
 from pai_cookbook.rlhf.run import evals, grpo, history, pair_critic, ppo, read_rollouts, sampled_reward
 

@@ -7,18 +7,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, inputs, layout, tokenizer
-from pai_cookbook.core.config import (
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import (
     ConfigError,
     DataConfig,
     OptimizerConfig,
     ParallelConfig,
     RunConfig,
 )
-from pai_cookbook.core.inputs import prompt_text
-from pai_cookbook.core.jobs import RLJob
-from pai_cookbook.core.reward_functions import resolve_reward, score
-from pai_cookbook.core.rlhf_config import GRPOConfig, PPOConfig
+from pai_cookbook.core.configs.rlhf_config import GRPOConfig, PPOConfig
+from pai_cookbook.core.launching import inputs
+from pai_cookbook.core.launching.inputs import prompt_text
+from pai_cookbook.core.launching.jobs import RLJob
+from pai_cookbook.core.rl.reward_functions import resolve_reward, score
+from pai_cookbook.core.text import tokenizer
 
 
 def records_of(prompts: Sequence[str | dict[str, Any]], what: str = "prompt") -> list[dict[str, Any]]:

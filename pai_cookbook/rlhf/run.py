@@ -7,14 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, damage, inputs
-from pai_cookbook.core.config import (
+from pai_cookbook.core.checkpoints import checkpoint, damage
+from pai_cookbook.core.configs.config import (
     ConfigError,
     ParallelConfig,
 )
-from pai_cookbook.core.jobs import RLJob
-from pai_cookbook.core.reward_functions import resolve_reward, score
-from pai_cookbook.core.rlhf_config import GRPOConfig, PPOConfig
+from pai_cookbook.core.configs.rlhf_config import GRPOConfig, PPOConfig
+from pai_cookbook.core.launching import inputs
+from pai_cookbook.core.launching.jobs import RLJob
+from pai_cookbook.core.rl.reward_functions import resolve_reward, score
 from pai_cookbook.rlhf.prepare import prepare
 
 

@@ -12,12 +12,12 @@ or step by step:
 
 `records` (read, encode), `rows` (pack, batch), `prepared` (prepare, the set on disk), `audit` (the masks checked a
 second way; what the model learnt); what training reads from a prepared set (`load`, `global_batch`, `validation_batches`,
-`thd`, `attention_mask`) is `core.sft_data`, which the training workers share. What SFT tools get wrong is refused or counted:
-prompt tokens in the loss, the stop token left out or typed inside an answer, a second BOS, samples without a loss
-token (`chat_template` names the line and the way through).
+`thd`, `attention_mask`) is `core.text.sft_data`, which the training workers share. What SFT tools get wrong is
+refused or counted: prompt tokens in the loss, the stop token left out or typed inside an answer, a second BOS,
+samples without a loss token (`chat_template` names the line and the way through).
 """
 
-from pai_cookbook.core.sft_data import SFTError, attention_mask, global_batch, load, loss_weights, thd, validation_batches
+from pai_cookbook.core.text.sft_data import SFTError, attention_mask, global_batch, load, loss_weights, thd, validation_batches
 from pai_cookbook.sft.audit import audit, follows, mask_html
 from pai_cookbook.sft.prepared import SPLITS, SUMMARY, TEMPLATE_FILE, check_for_training, describe, prepare, write
 from pai_cookbook.sft.records import (

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pai_cookbook import chat_template as chat
-from pai_cookbook.core import inputs
-from pai_cookbook.core.sft_data import SFTError
+from pai_cookbook.core.launching import inputs
+from pai_cookbook.core.text.sft_data import SFTError
 from pai_cookbook.sft.records import Sample, template_text
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from pai_cookbook import chat_template as chat
-from pai_cookbook.core import checkpoint, inputs, nodes
-from pai_cookbook.core.sft_data import SUMMARY, SFTError, describe
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.launching import inputs, nodes
+from pai_cookbook.core.text.sft_data import SUMMARY, SFTError, describe
 from pai_cookbook.sft.audit import audit
 from pai_cookbook.sft.records import TEMPLATES, Sample, checked_messages, encode_all, read, template_text
 from pai_cookbook.sft.rows import batch, efficiency, pack
@@ -58,7 +59,7 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
         place or stop a turn, or disagrees with transformers' assistant mask, special-token text inside a message,
         a mask the audit does not reproduce, no conversation left to train on.
     """
-    from pai_cookbook.core import tokenizer as tokenizers
+    from pai_cookbook.core.text import tokenizer as tokenizers
 
     _check_out_dir(out_dir)
     inputs.number(valid_fraction, "valid_fraction", low=0, high=1, error=SFTError)
@@ -188,8 +189,8 @@ def check_for_training(run: Any) -> None:
     Raises:
         SFTError: naming what differs and how to fix it.
     """
-    from pai_cookbook.core import checkpoint
-    from pai_cookbook.core import tokenizer as tokenizers
+    from pai_cookbook.core.checkpoints import checkpoint
+    from pai_cookbook.core.text import tokenizer as tokenizers
 
     folder = run.data.paths[0]
     summary = describe(folder)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from pai_cookbook import chat_template as chat
-from pai_cookbook.core import inputs
-from pai_cookbook.core.sft_data import SFTError
+from pai_cookbook.core.launching import inputs
+from pai_cookbook.core.text.sft_data import SFTError
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_SET = Path(__file__).resolve().parents[2] / "data" / "sft" / "arithmetic.jsonl"

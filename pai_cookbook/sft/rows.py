@@ -1,13 +1,13 @@
 """Rows: conversations packed into sequences (first-fit decreasing, attention kept inside each) or padded one per
 row, and a global batch's loss as each micro-batch split reports it. What training reads back from a prepared set
-(global batches, per-token loss weights, the attention kept inside each conversation) is `core.sft_data`."""
+(global batches, per-token loss weights, the attention kept inside each conversation) is `core.text.sft_data`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from pai_cookbook.core.sft_data import SFTError
+from pai_cookbook.core.text.sft_data import SFTError
 from pai_cookbook.sft.records import Sample
 
 

@@ -1,6 +1,6 @@
 """The conversion worker: streaming Hugging Face safetensors <-> torch_dist I/O, and resharding.
 
-Its job is a `core.jobs.ConvertJob`, checked in the notebook process before launch:
+Its job is a `core.launching.jobs.ConvertJob`, checked in the notebook process before launch:
 - hf2mcore writes PyTorch Distributed Checkpoint (DCP) files itself, with the chunk layout Megatron-Core's
   own save would produce (taken from a model built on the meta device, so it costs no memory); each
   chunk is read from its safetensors shard, converted (`hf_mapping`) and written just before it is
@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, hf_mapping, layout, worker
-from pai_cookbook.core.config import ModelConfig, ParallelConfig, PrecisionConfig
-from pai_cookbook.core.hf_checkpoint import HFCheckpoint, inspect_hf
-from pai_cookbook.core.jobs import DEFAULT_SHARD_BYTES, ConvertJob
+from pai_cookbook.core.checkpoints import checkpoint, hf_mapping
+from pai_cookbook.core.checkpoints.hf_checkpoint import HFCheckpoint, inspect_hf
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import ModelConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import DEFAULT_SHARD_BYTES, ConvertJob
 from pai_cookbook.workers.dcp_layout import Chunk, chunk_layout, iter_megatron_params, unwritten_chunks
 
 WRITE_THREADS = 2  # HF -> Megatron: DCP writer threads, each building and writing its own file

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint
-from pai_cookbook.core.config import ModelConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import ModelConfig, ParallelConfig, PrecisionConfig
 
 
 def meta_model(model: ModelConfig, dtype: torch.dtype, head: str = "lm"):
@@ -22,7 +22,7 @@ def meta_model(model: ModelConfig, dtype: torch.dtype, head: str = "lm"):
     Built for the host on any machine (a meta tensor cannot move to a GPU); its checkpoint keys are those of
     the Transformer Engine spec too, which Megatron-Core's local spec maps its norms to
     (`sharded_state_dict_keys_map`), so a GPU run with TE loads what this layout writes."""
-    from pai_cookbook.core.runtime import host_device
+    from pai_cookbook.core.machine.runtime import host_device
     from pai_cookbook.workers.models import build_model
 
     precision = PrecisionConfig(dtype=checkpoint.DTYPE_NAMES[dtype])

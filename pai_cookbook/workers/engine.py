@@ -5,7 +5,7 @@ runs `StaticInferenceEngine` -> `TextGenerationController` -> `GPTInferenceWrapp
 `StaticInferenceContext` (the KV cache): one prefill forward over every prompt, then one forward of one
 token per step. On the local paths (`DeviceInfo.layers`: a GPU without Transformer Engine, a CPU) prompts of
 different lengths share a batch *left-padded* (`generate_batch`), as Hugging Face's batched `generate` does: each
-row's positions count from 0 at its first real token and its padding is masked (`core.attention`'s
+row's positions count from 0 at its first real token and its padding is masked (`core.modeling.attention`'s
 `left_padded_kv_cache` swap), so every row computes what it would alone, and every row samples from the first
 step on. Megatron-Core's static batching right-pads instead: the longer prompts are fed one token a step
 while the shorter rows sample, (longest - shortest) extra forward steps a batch (measured: 70 steps instead
@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import runtime
-from pai_cookbook.core.attention import LEFT_PADDING, left_padded_positions
-from pai_cookbook.core.config import ParallelConfig
-from pai_cookbook.core.generation import GenerationConfig
-from pai_cookbook.core.tokenizer import MegatronView
+from pai_cookbook.core.configs.config import ParallelConfig
+from pai_cookbook.core.configs.generation import GenerationConfig
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.modeling.attention import LEFT_PADDING, left_padded_positions
+from pai_cookbook.core.text.tokenizer import MegatronView
 
 FINISH_EOS, FINISH_STOP, FINISH_LENGTH = "eos", "stop", "length"
 BATCH_SEED_STRIDE = 1_000_003  # a prime above any batch count: distinct (seed, batch) -> distinct streams
@@ -195,7 +195,7 @@ def build_engine(gpt, model, tokenizer: MegatronView, config: GenerationConfig, 
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.engines import StaticInferenceEngine
 
-    from pai_cookbook.core import versions
+    from pai_cookbook.core.machine import versions
 
     context = StaticInferenceContext(config.batch_size, max_sequence)
     wrapper = _wrapper_class(config.kv_cache)
@@ -245,7 +245,7 @@ def engine_record(engine) -> dict[str, Any]:
     """Which inference engine and path ran a generation, as every generation result records it (`result["engine"]`,
     beside `result["layers"]`): Megatron-Core's release, the engine class, its path (`engine.legacy`: the static
     batching path, or the dynamic engine the static one runs underneath), how a batch is padded, and the KV cache."""
-    from pai_cookbook.core import versions
+    from pai_cookbook.core.machine import versions
 
     wrapped = engine.controller.inference_wrapped_model
     return {"megatron_core": str(versions.megatron_core_version()), "engine": type(engine).__name__,
@@ -259,13 +259,14 @@ def left_pads(engine) -> bool:
     projection (no swap reaches there): both right-pad as Megatron-Core's static batching does, which computes the same
     tokens (each row's prompt fed whole before it samples) in (longest - shortest prompt) more steps."""
     controller = engine.controller
-    return (controller.device_info.layers != runtime.TE_LAYERS
+    return (not controller.device_info.transformer_engine
             and not controller.inference_wrapped_model.model.config.multi_latent_attention)
 
 
 def decoding_weights(engine, rows: int) -> contextlib.AbstractContextManager[int]:
     """Around a job's (or a rollout's) generation: oneDNN's packed weights on the CPU path
-    (`core.runtime.CPU_CONVERTERS["onednn_decode_packing"]`), nothing on the others. Yields how many weights were packed."""
+    (`core.machine.build.CPU_CONVERTERS["onednn_decode_packing"]`), nothing on the others. Yields how many weights were
+    packed."""
     if not engine.controller.device_info.cpu_converters:
         return contextlib.nullcontext(0)
     from pai_cookbook.cpu import linear

@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, runtime, worker
-from pai_cookbook.core.config import PrecisionConfig
-from pai_cookbook.core.jobs import GenerationBatch, GenerationJob
-from pai_cookbook.core.tokenizer import MegatronView
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import PrecisionConfig
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import GenerationBatch, GenerationJob
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.text.tokenizer import MegatronView
 from pai_cookbook.workers.engine import BATCH_SEED_STRIDE, build_engine, decoding_weights, engine_record, generate_batch
 
 
@@ -22,7 +24,7 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
 
-    from pai_cookbook.core.model import torch_dtype
+    from pai_cookbook.core.modeling.model import torch_dtype
     from pai_cookbook.workers.models import build_model
 
     config, parallel = job.config, job.parallel
@@ -102,9 +104,10 @@ def _gather(job, mine, forward_lengths, timing: tuple[float, float, float], para
 
 @worker.entry(GenerationBatch)
 def main(batch: GenerationBatch) -> dict[str, Any] | None:
-    with worker.session():
+    with worker.session() as planned:
         layouts = ((job.parallel, job.config.seed) for job in batch.jobs)
-        results = [run_job(job, device) for job, device in zip(batch.jobs, runtime.each_layout(layouts))]
+        devices = runtime.each_layout(layouts, planned.layers)
+        results = [run_job(job, device) for job, device in zip(batch.jobs, devices)]
     return {"jobs": results} if worker.rank() == 0 else None
 
 

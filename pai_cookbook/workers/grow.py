@@ -1,6 +1,6 @@
 """The vocabulary-growth worker: a checkpoint's embedding and output layer, grown to a larger vocabulary.
 
-Its job is a `core.jobs.GrowJob`. The checkpoint is loaded into a model built with the larger
+Its job is a `core.launching.jobs.GrowJob`. The checkpoint is loaded into a model built with the larger
 vocabulary (Megatron-Core loads the stored rows and leaves the others zero: the embedding's and output
 layer's sharded tensors allow a shape mismatch), the new rows are initialised from the old ones, the
 padding rows are zeroed, and the result is saved as a new checkpoint with the new tokenizer. One
@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, worker
-from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
-from pai_cookbook.core.jobs import GrowJob
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import ParallelConfig, PrecisionConfig
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import GrowJob
 from pai_cookbook.workers.models import build_model
 
 

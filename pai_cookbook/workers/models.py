@@ -1,5 +1,5 @@
-"""The model a worker builds: `core.model.build_model` with the CPU converters where the one decision of what runs
-here puts them (`DeviceInfo.cpu_converters`, `core.runtime.choose_layers`).
+"""The model a worker builds: `core.modeling.model.build_model` with the CPU converters where the one decision of what runs
+here puts them (`DeviceInfo.cpu_converters`, `core.machine.build.choose_layers`).
 
 The engine never imports the CPU package; the workers hand it in, so a GPU (or `PAI_COOKBOOK_LAYERS=local`) never
 loads it.
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from pai_cookbook.core import model as core_model
-from pai_cookbook.core.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
-from pai_cookbook.core.layer_spec import Converters
-from pai_cookbook.core.runtime import DeviceInfo
+from pai_cookbook.core.configs.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
+from pai_cookbook.core.machine.runtime import DeviceInfo
+from pai_cookbook.core.modeling import model as core_model
+from pai_cookbook.core.modeling.layer_spec import Converters
 
 
 def converters(device: DeviceInfo) -> Converters | None:
@@ -27,6 +27,6 @@ def converters(device: DeviceInfo) -> Converters | None:
 def build_model(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, device: DeviceInfo,
                 seed: int, memory: MemoryConfig | None = None, head: str = "lm",
                 initialize: bool = True) -> list[torch.nn.Module]:
-    """`core.model.build_model` with the same arguments, and `converters(device)`."""
+    """`core.modeling.model.build_model` with the same arguments, and `converters(device)`."""
     return core_model.build_model(model, parallel, precision, device, seed, memory, head, initialize,
                                   converters=converters(device))

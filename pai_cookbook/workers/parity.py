@@ -1,4 +1,4 @@
-"""The parity worker: the checkpoint's logits at each layout of a `core.jobs.ParityJob`,
+"""The parity worker: the checkpoint's logits at each layout of a `core.launching.jobs.ParityJob`,
 compared on rank 0 with the Hugging Face model's on the same tokens."""
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, runtime, worker
-from pai_cookbook.core.jobs import ParityJob
-from pai_cookbook.core.logit_parity import compare_logits, hf_logits, token_batch
-from pai_cookbook.core.model import torch_dtype
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import ParityJob
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.measures.logit_parity import compare_logits, hf_logits, token_batch
+from pai_cookbook.core.modeling.model import torch_dtype
 from pai_cookbook.workers.models import build_model
 
 
@@ -64,14 +66,14 @@ def main(job: ParityJob) -> dict[str, Any] | None:
     tokens = token_batch(Path(job.ckpt) / checkpoint.HF_ASSETS, job.batch, job.seq)
     reference = hf_logits(job.hf_dir, tokens) if worker.rank() == 0 else None
     dtype = torch_dtype(job.precision)
-    own_error = {}
-    if reference is not None and dtype != torch.float32:
-        # transformers' own error in this dtype (on this machine's device): the yardstick for Megatron-Core's
-        hf_low = hf_logits(job.hf_dir, tokens, dtype, "cuda" if torch.cuda.is_available() else "cpu")
-        own_error = {"hf_low_precision_max_abs_diff": float((hf_low - reference).abs().max())}
-    rows = []
-    with worker.session():
-        for i, (parallel, device) in enumerate(zip(job.layouts, runtime.each_layout((p, job.seed) for p in job.layouts))):
+    own_error, rows = {}, []
+    with worker.session() as planned:
+        if reference is not None and dtype != torch.float32:
+            # transformers' own error in this dtype (on this machine's device): the yardstick for Megatron-Core's
+            hf_low = hf_logits(job.hf_dir, tokens, dtype, "cuda" if planned.is_cuda else "cpu")
+            own_error = {"hf_low_precision_max_abs_diff": float((hf_low - reference).abs().max())}
+        devices = runtime.each_layout(((p, job.seed) for p in job.layouts), planned.layers)
+        for i, (parallel, device) in enumerate(zip(job.layouts, devices)):
             chunks = build_model(model, parallel, job.precision, device, job.seed)
             checkpoint.load(chunks, job.ckpt)
             for chunk in chunks:

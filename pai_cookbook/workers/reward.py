@@ -1,7 +1,7 @@
 """The reward-model worker: Bradley-Terry training of a GPT with a scalar head, through the training worker's
 DDP, optimizer and pipeline schedule.
 
-Its job is a `core.jobs.RewardModelJob`. Every step draws `global_batch_size` pairs (passes
+Its job is a `core.launching.jobs.RewardModelJob`. Every step draws `global_batch_size` pairs (passes
 over the pair set, each in an order seeded by (seed, pass)), gives each data-parallel rank its share and
 runs them as micro-batches of `micro_batch_size` pairs: the chosen sequences, then the rejected ones, right-
 padded to one width. The model's scores at each sequence's last token make the pair's loss; the loss is
@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, worker
-from pai_cookbook.core.jobs import RewardModelJob
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import RewardModelJob
 from pai_cookbook.workers import run_state, training
 
 Pair = tuple[list[int], list[int], float]

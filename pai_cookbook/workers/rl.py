@@ -1,6 +1,6 @@
 """The RL worker: GRPO and PPO on Megatron-Core, rollouts from Megatron-Core's engine on the policy's own modules.
 
-Its job is a `core.jobs.RLJob` (PPO when its config is a PPOConfig). One step (`rl_step`):
+Its job is a `core.launching.jobs.RLJob` (PPO when its config is a PPOConfig). One step (`rl_step`):
 1. `sample`: the static inference engine of notebook 07 (`workers.generate.build_engine`) over the very
    GPTModel the optimizer updates (DDP's `.module`), temperature 1, no top-k/top-p, seeded by (seed, step),
    its controller recording each sampled token's log-probability. Every rank samples every completion (same
@@ -31,12 +31,14 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, reward_functions, rl_math, worker
-from pai_cookbook.core.generation import GenerationConfig
-from pai_cookbook.core.jobs import RLJob
-from pai_cookbook.core.model import torch_dtype
-from pai_cookbook.core.rl_math import AdaptiveKL, RLError
-from pai_cookbook.core.tokenizer import MegatronView
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.generation import GenerationConfig
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import RLJob
+from pai_cookbook.core.modeling.model import torch_dtype
+from pai_cookbook.core.rl import reward_functions, rl_math
+from pai_cookbook.core.rl.rl_math import AdaptiveKL, RLError
+from pai_cookbook.core.text.tokenizer import MegatronView
 from pai_cookbook.workers import engine as inference
 from pai_cookbook.workers import run_state, training
 from pai_cookbook.workers.models import build_model

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import rl_math, runtime
-from pai_cookbook.core.jobs import RLJob
+from pai_cookbook.core.launching.jobs import RLJob
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.rl import rl_math
 from pai_cookbook.workers import training
 
 

@@ -12,10 +12,14 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, layout, runtime, throughput, worker
-from pai_cookbook.core.config import RunConfig
-from pai_cookbook.core.model import torch_dtype, training_flops_per_token
-from pai_cookbook.core.runtime import DeviceInfo
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import RunConfig
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.machine.runtime import DeviceInfo
+from pai_cookbook.core.measures import throughput
+from pai_cookbook.core.modeling.model import torch_dtype, training_flops_per_token
 
 
 class StepLog:
@@ -33,8 +37,9 @@ class StepLog:
         world = torch.distributed.get_world_size()
         per_gpu = throughput.datasheet_peak_flops(device.name, gemms) if device.is_cuda else None
         self.datasheet_flops = None if per_gpu is None else per_gpu * world
-        peak = torch.tensor([throughput.measure_matmul_peak(torch_dtype(config.precision))], dtype=torch.float64,
-                            device=runtime.collective_device())
+        here = runtime.collective_device()  # this rank's GPU, or the CPU
+        peak = torch.tensor([throughput.measure_matmul_peak(here, torch_dtype(config.precision))], dtype=torch.float64,
+                            device=here)
         torch.distributed.all_reduce(peak)
         self.peak_flops = float(peak.item())
         self.jsonl = self.tensorboard = None

@@ -1,6 +1,6 @@
 """The scoring worker: bits per character of checkpoints on texts, and an extended model against its base.
 
-Its job is a `core.jobs.ScoreJob`. Per-token losses of models with different tokenizers are
+Its job is a `core.launching.jobs.ScoreJob`. Per-token losses of models with different tokenizers are
 not comparable (a token is a different amount of text); bits per character are: each text is scored
 as [separator] + its tokens under the checkpoint's own tokenizer, so every character is predicted from
 the same context, and the total is divided by the characters. For a pair (base, extended), the two
@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, tokenizer, worker
-from pai_cookbook.core.config import ParallelConfig, PrecisionConfig
-from pai_cookbook.core.jobs import ScoreJob
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import ParallelConfig, PrecisionConfig
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import ScoreJob
+from pai_cookbook.core.text import tokenizer
 from pai_cookbook.workers.models import build_model
 
 

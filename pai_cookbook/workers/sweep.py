@@ -11,8 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import runtime, worker
-from pai_cookbook.core.jobs import Sweep
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import Sweep
+from pai_cookbook.core.machine import runtime
 from pai_cookbook.workers.training import train
 
 
@@ -21,8 +22,8 @@ def main(job: Sweep) -> dict[str, Any]:
     run_dir = Path(os.environ.get(worker.RUN_DIR_ENV, "."))
     total = sum(config.train_iters for config in job.runs)
     results, done = [], 0
-    with worker.session():
-        devices = runtime.each_layout((config.parallel, config.seed) for config in job.runs)
+    with worker.session() as planned:
+        devices = runtime.each_layout(((config.parallel, config.seed) for config in job.runs), planned.layers)
         for name, folder, config, device in zip(job.names, job.folders, job.runs, devices):
             results.append(train(config, device, log_dir=run_dir / folder, progress=(name, done, total)))
             done += config.train_iters

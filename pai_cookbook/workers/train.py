@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pai_cookbook.core import worker
-from pai_cookbook.core.config import RunConfig
+from pai_cookbook.core.configs.config import RunConfig
+from pai_cookbook.core.launching import worker
 from pai_cookbook.workers.training import train
 
 

@@ -17,12 +17,16 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core import checkpoint, fp8, indexed_data, runtime, sft_data, tokenizer, worker
-from pai_cookbook.core.config import RunConfig
-from pai_cookbook.core.memory_probe import MemoryProbe
-from pai_cookbook.core.model import torch_dtype
-from pai_cookbook.core.router_stats import RouterStats
-from pai_cookbook.core.runtime import DeviceInfo
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import RunConfig
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.machine.runtime import DeviceInfo
+from pai_cookbook.core.measures.memory_probe import MemoryProbe
+from pai_cookbook.core.measures.router_stats import RouterStats
+from pai_cookbook.core.modeling import fp8
+from pai_cookbook.core.modeling.model import torch_dtype
+from pai_cookbook.core.text import indexed_data, sft_data, tokenizer
 from pai_cookbook.workers.models import build_model
 from pai_cookbook.workers.run_state import StepLog, restore, save_if_due, stop_non_finite
 
@@ -107,13 +111,9 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     return output, partial(loss_func, loss_mask, batch["loss_count"], batch["loss_scale"])
 
 
-def uses_te_attention(model: list[torch.nn.Module]) -> bool:
-    return any(type(m).__name__ == "TEDotProductAttention" for m in model[0].modules())
-
-
 def build(config: RunConfig, device: DeviceInfo, head: str = "lm"):
     """Model chunks wrapped in Megatron DDP, the Megatron optimizer and the LR schedule (`head`: see
-    `core.model.build_model`)."""
+    `core.modeling.model.build_model`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -204,13 +204,16 @@ def micro_batches(config: RunConfig, dataset: Any, step: int, shuffle: bool = Tr
     return batches
 
 
-def forward_backward(config: RunConfig, model, batches: list[dict[str, torch.Tensor]], forward_only: bool):
+def forward_backward(config: RunConfig, model, batches: list[dict[str, torch.Tensor]], forward_only: bool,
+                     thd: bool = False):
+    """Megatron-Core's schedule over `batches`; `thd`: packed SFT rows go in as THD sequences, which Transformer
+    Engine's attention takes (`DeviceInfo.transformer_engine`; the local spec attends them with a block mask)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     scale = per_token_scale(batches)
     batches = [b | {"loss_scale": scale} for b in batches]
     seq_length, micro_batch_size = config.data.seq_length, config.data.micro_batch_size
-    if "document" in batches[0] and uses_te_attention(model):
+    if "document" in batches[0] and thd:
         # THD: each micro-batch's rows laid end to end as one sequence with the conversations' boundaries;
         # the pipeline stages pass activations of that shape ([rows x seq, 1, hidden]) to each other
         batches = [sft_data.thd(b) for b in batches]
@@ -229,12 +232,12 @@ def forward_backward(config: RunConfig, model, batches: list[dict[str, torch.Ten
     )
 
 
-def evaluate(config: RunConfig, model, dataset: Any) -> float:
+def evaluate(config: RunConfig, model, dataset: Any, thd: bool = False) -> float:
     """Mean validation loss over config.eval_iters global batches (forward only)."""
     for chunk in model:
         chunk.eval()
     with torch.no_grad():
-        losses = [global_mean_loss(forward_backward(config, model, micro_batches(config, dataset, i, False), True))
+        losses = [global_mean_loss(forward_backward(config, model, micro_batches(config, dataset, i, False), True, thd))
                   for i in range(config.eval_iters)]
     for chunk in model:
         chunk.train()
@@ -242,15 +245,15 @@ def evaluate(config: RunConfig, model, dataset: Any) -> float:
 
 
 def train_step(config: RunConfig, model, optimizer, scheduler, step: int, dataset: Any = None,
-               probe: MemoryProbe | None = None) -> dict[str, float]:
+               probe: MemoryProbe | None = None, thd: bool = False) -> dict[str, float]:
     """One optimizer step over the global batch (gradient accumulation over micro-batches); `probe` counts what the
-    rank holds (`core.memory_probe`)."""
+    rank holds (`core.measures.memory_probe`)."""
     batches = micro_batches(config, dataset, step)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     with probe.activations(model) if probe else contextlib.nullcontext():
-        reports = forward_backward(config, model, batches, forward_only=False)
+        reports = forward_backward(config, model, batches, forward_only=False, thd=thd)
     _, grad_norm, _ = optimizer.step()
     if probe:
         probe.after_step(model, optimizer)
@@ -292,7 +295,8 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
     start = time.perf_counter()
     for step in range(first_step, config.train_iters):
         step_start = time.perf_counter()
-        history.append(train_step(config, model, optimizer, scheduler, step, train_set, probe))
+        history.append(train_step(config, model, optimizer, scheduler, step, train_set, probe,
+                                  device.transformer_engine))
         history[-1] |= log.throughput(time.perf_counter() - step_start)
         if not all(math.isfinite(history[-1][k]) for k in ("loss", "grad_norm")):
             log.write(step + 1, history[-1])
@@ -305,7 +309,7 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
         done = step + 1
         last = done == config.train_iters
         if valid_set is not None and config.eval_interval and (done % config.eval_interval == 0 or last):
-            valid_losses.append((done, evaluate(config, model, valid_set)))
+            valid_losses.append((done, evaluate(config, model, valid_set, device.transformer_engine)))
             history[-1]["valid_loss"] = valid_losses[-1][1]
             if fp8_backend == "emulated":
                 fp8.collect([m.module for m in model])  # validation's quantizations are not the next step's
@@ -336,7 +340,7 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
         "checkpoint": str(saved) if saved else None,
         # MoE: per step, each layer's expert shares, aux/z-losses and dropped tokens (moe.RouterStats)
         "router": [{k: h[k] for k in h if k not in _STEP_FIGURES} for h in history] if router else [],
-        "memory": probe.gather() if probe else None,  # every rank's bytes held (core.memory_probe)
+        "memory": probe.gather() if probe else None,  # every rank's bytes held (core.measures.memory_probe)
     }
 
 

@@ -1,14 +1,15 @@
 """The upcycling worker: a dense checkpoint's MLPs copied into every expert of an MoE model, with
-Megatron-Core's own `upcycle_state_dict` (its job is a `core.jobs.UpcycleJob`)."""
+Megatron-Core's own `upcycle_state_dict` (its job is a `core.launching.jobs.UpcycleJob`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from pai_cookbook.core import checkpoint, worker
-from pai_cookbook.core.config import PrecisionConfig
-from pai_cookbook.core.jobs import UpcycleJob
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import PrecisionConfig
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import UpcycleJob
 from pai_cookbook.workers.models import build_model
 
 

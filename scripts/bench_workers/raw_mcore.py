@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from pai_cookbook.core import runtime
-from pai_cookbook.core.config import RunConfig
+from pai_cookbook.core.configs.config import RunConfig
+from pai_cookbook.core.machine import runtime
 from pai_cookbook.workers.models import build_model
 
 

@@ -17,8 +17,8 @@ from typing import ClassVar
 
 import torch.distributed as dist
 
-from pai_cookbook.core import worker
-from pai_cookbook.core.job import Job
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.job import Job
 
 
 @dataclass(kw_only=True)

@@ -10,10 +10,11 @@ import json
 import sys
 from pathlib import Path
 
-from pai_cookbook import convert, data, tiny_models, train
-from pai_cookbook.core import checkpoint
-from pai_cookbook.core.config import CheckpointConfig, DataConfig, RunConfig
-from pai_cookbook.core.tokenizer import TOKENIZER_CORPUS
+from pai_cookbook import convert, data, train
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.config import CheckpointConfig, DataConfig, RunConfig
+from pai_cookbook.core.text.tokenizer import TOKENIZER_CORPUS
+from pai_cookbook.fixtures import tiny_models
 
 
 def main(shared: Path, nproc: int) -> dict:

@@ -39,11 +39,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from pai_cookbook.core import runtime, worker
-from pai_cookbook.core.config import RunConfig
-from pai_cookbook.core.job import Job
-from pai_cookbook.core.memory_probe import MemoryProbe
-from pai_cookbook.core.model_config import ConfigError
+from pai_cookbook.core.configs.config import RunConfig
+from pai_cookbook.core.configs.model_config import ConfigError
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.job import Job
+from pai_cookbook.core.machine import runtime
+from pai_cookbook.core.measures.memory_probe import MemoryProbe
 from pai_cookbook.workers.models import build_model
 from pai_cookbook.workers.training import build, train, train_step
 
@@ -124,7 +125,7 @@ def _random_packed(config: RunConfig, generator: torch.Generator, lengths: list[
 @scenario("config, device")
 def packed_logits(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
-    from pai_cookbook.workers.training import model_forward, uses_te_attention
+    from pai_cookbook.workers.training import model_forward
 
     generator = torch.Generator().manual_seed(config.seed)
     lengths = [9, 17, 5, 30, 12, 21, 7, 14]
@@ -133,7 +134,7 @@ def packed_logits(config: RunConfig, device) -> dict:
     (gpt,) = build_model(config.model, config.parallel, config.precision, device, config.seed)
     gpt.eval()
 
-    thd = uses_te_attention([gpt])  # Transformer Engine: THD packed sequences; local spec: the block mask
+    thd = device.transformer_engine  # Transformer Engine: THD packed sequences; local spec: the block mask
 
     def logits(batch):
         with torch.no_grad():
@@ -224,8 +225,8 @@ def training_ops(configs: list[RunConfig], device) -> dict:
 @scenario("config, device")
 def token_losses(config: RunConfig, device) -> dict:
     from pai_cookbook import sft
-    from pai_cookbook.core import checkpoint
-    from pai_cookbook.workers.training import model_forward, uses_te_attention
+    from pai_cookbook.core.checkpoints import checkpoint
+    from pai_cookbook.workers.training import model_forward
 
     model, _ = checkpoint.read_config(config.checkpoint.load_dir)
     (gpt,) = build_model(model, config.parallel, config.precision, device, config.seed)
@@ -235,7 +236,7 @@ def token_losses(config: RunConfig, device) -> dict:
     picked = rows["document"].amax(1).argsort(descending=True, stable=True)[:4]  # the most conversations per row
     rows = {k: v[picked] for k, v in rows.items()}
     with torch.no_grad():
-        losses = model_forward(gpt, sft.thd(rows) if uses_te_attention([gpt]) else rows).reshape(rows["tokens"].shape)
+        losses = model_forward(gpt, sft.thd(rows) if device.transformer_engine else rows).reshape(rows["tokens"].shape)
     return {"rows": picked.tolist(), "losses": losses.float().tolist()}
 
 
@@ -273,7 +274,8 @@ def grads(configs: list[RunConfig]) -> dict:
     for config, device in zip(configs, runtime.each_layout((c.parallel, c.seed) for c in configs)):
         model, _, _ = build(config, device)
         rows = sft.load(config.data.paths[0], "train")
-        loss = global_mean_loss(forward_backward(config, model, micro_batches(config, rows, 0), False))
+        loss = global_mean_loss(forward_backward(config, model, micro_batches(config, rows, 0), False,
+                                                 device.transformer_engine))
         flat = torch.cat([p.main_grad.detach().float().view(-1) for p in model[0].module.parameters()])
         out.append({"loss": loss, "grads": flat.tolist()})
     return {"runs": out}
@@ -281,7 +283,7 @@ def grads(configs: list[RunConfig]) -> dict:
 
 @scenario("layouts")
 def adam(configs: list[RunConfig]) -> dict:
-    from pai_cookbook.core.checkpoint import chained_optimizers
+    from pai_cookbook.core.checkpoints.checkpoint import chained_optimizers
     from pai_cookbook.workers.run_state import restore, save_if_due
     from pai_cookbook.workers.training import build, train_step
 

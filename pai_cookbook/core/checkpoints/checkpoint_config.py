@@ -1,0 +1,36 @@
+"""What a cookbook checkpoint says of itself: its `pai_cookbook.json` (the model, the dtype, where it came from, the
+run that saved it), read without torch_dist, Megatron-Core or the rest of `core.checkpoints.checkpoint` (so
+`core.configs.config` can start a run from a checkpoint: `RunConfig.from_checkpoint`). `core.checkpoints.checkpoint`
+re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook.core.configs.model_config import ModelConfig
+from pai_cookbook.core.launching import inputs
+
+CONFIG_FILE = "pai_cookbook.json"
+PARTIAL_SUFFIX = ".partial"
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def read_config(ckpt: str | Path) -> tuple[ModelConfig, torch.dtype]:
+    """The ModelConfig and dtype a cookbook checkpoint describes itself with."""
+    path = Path(ckpt) / CONFIG_FILE
+    if not path.exists():
+        hint = " (a .partial folder is an unfinished write)" if str(ckpt).endswith(PARTIAL_SUFFIX) else ""
+        raise FileNotFoundError(f"{ckpt} has no {CONFIG_FILE}: not a checkpoint written by the cookbook"
+                                f"{hint}; convert.hf_to_megatron and train.run write them.")
+    data = description(ckpt)
+    return ModelConfig(**data["model"]), {v: k for k, v in DTYPE_NAMES.items()}[data["dtype"]]
+
+
+def description(ckpt: str | Path) -> dict[str, Any]:
+    """The checkpoint's `pai_cookbook.json` (model, dtype, provenance, the run that saved it)."""
+    return inputs.read_json(Path(ckpt) / CONFIG_FILE, what="checkpoint description",
+                            fix="Its checkpoint cannot be used: convert or train it again, or use an earlier one.")

@@ -1,0 +1,171 @@
+"""How each model family's Hugging Face config keys become `ModelConfig` fields, and back (`core.checkpoints.families` holds the
+registry that uses them).
+
+Reading goes through a transformers config object, so legacy keys arrive normalised. What Megatron-Core cannot express
+exactly is refused with the reason and, where there is one, the fix; nothing is approximated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pai_cookbook.core.configs.config import ConfigError, ModelConfig
+
+# Families whose attention Megatron-Core builds with YaRN rotary scaling (multi-latent attention's).
+YARN_FAMILIES = {"deepseek_v3"}
+# Megatron-Core's Llama 3 rotary scaling has these constants built in (rotary_pos_embedding._apply_scaling).
+MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def dense_read(hf: Any) -> dict[str, Any]:
+    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        raise ConfigError(f"{hf.model_type}: attention_bias/mlp_bias=True (bias on every projection) is not "
+                          f"supported by the cookbook's Megatron-Core mapping; only QKV bias is (Qwen2).")
+    return {}
+
+
+def no_sliding_window(hf: Any) -> dict[str, Any]:
+    if getattr(hf, "use_sliding_window", False):
+        raise ConfigError(f"{hf.model_type}: use_sliding_window=True (sliding-window attention on layers from "
+                          f"max_window_layers={getattr(hf, 'max_window_layers', None)}) is not supported; every released "
+                          f"Qwen3 checkpoint has it off. Set it to false in config.json if this one does not use it.")
+    return {}
+
+
+def rotary(hf: Any) -> dict[str, Any]:
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    out = {"rotary_base": float(params.get("rope_theta", 10000.0))}
+    if (partial := params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))) not in (None, 1.0):
+        out["rotary_percent"] = float(partial)  # the first part of each head rotates, as Megatron-Core's rotary_percent
+    if rope_type == "default":
+        return out
+    if rope_type == "llama3":
+        mismatched = {k: params.get(k) for k, v in MCORE_LLAMA3_ROPE.items() if float(params.get(k, v)) != v}
+        if mismatched:
+            raise ConfigError(f"llama3 rotary scaling with {mismatched} differs from Megatron-Core's built-in "
+                              f"{MCORE_LLAMA3_ROPE}; this checkpoint's positions cannot be reproduced exactly.")
+        return out | {"rope_scaling_factor": float(params["factor"])}
+    if rope_type == "yarn" and hf.model_type in YARN_FAMILIES:
+        return out | {"yarn": yarn(params, hf)}
+    raise ConfigError(f"rotary scaling rope_type={rope_type!r} is not supported; supported: 'default', 'llama3' "
+                      f"(and 'yarn' for {sorted(YARN_FAMILIES)}, whose multi-latent attention Megatron-Core builds "
+                      f"with YaRN).")
+
+
+def yarn(params: dict[str, Any], hf: Any) -> dict[str, float]:
+    """YaRN's fields as Megatron-Core's multi-latent attention takes them (`ModelConfig.yarn`), from HF rope_parameters.
+
+    HF scales cos/sin by get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both are set, else by
+    get_mscale(factor); Megatron-Core always takes the ratio. Both set, or mscale_all_dim unset (then mscale=1,
+    mscale_all_dim=0 gives HF's get_mscale(factor)), reproduce HF; anything else is refused."""
+    refused = {k: params[k] for k in ("attention_factor",) if params.get(k) is not None}
+    if params.get("truncate", True) is False:
+        refused["truncate"] = False
+    factor = params.get("factor") or hf.max_position_embeddings / params["original_max_position_embeddings"]
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if all_dim and not mscale:
+        refused |= {"mscale": mscale, "mscale_all_dim": all_dim}
+    if refused:
+        raise ConfigError(f"{hf.model_type}: yarn rotary scaling with {refused} has no Megatron-Core equivalent (its "
+                          f"YaRN takes factor, original_max_position_embeddings, beta_fast, beta_slow, and mscale with "
+                          f"mscale_all_dim together); this checkpoint's positions cannot be reproduced exactly.")
+    both = bool(mscale and all_dim)
+    return {"factor": float(factor), "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+            "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+            "mscale": float(mscale) if both else 1.0, "mscale_all_dim": float(all_dim) if both else 0.0}
+
+
+def grouped_sigmoid_router(hf: Any) -> dict[str, Any]:
+    """DeepSeek-V3's router (GLM-4.5's too): sigmoid scores, a per-expert bias added for the choice only
+    (e_score_correction_bias: Megatron-Core's expert_bias), top-k within the best `topk_group` of `n_group` groups,
+    the chosen scores normalised and scaled by routed_scaling_factor; `n_shared_experts` always-on experts; the
+    first `first_k_dense_replace` layers dense."""
+    if not hf.norm_topk_prob and hf.num_experts_per_tok > 1:
+        raise ConfigError(f"{hf.model_type}: norm_topk_prob=False; Megatron-Core's sigmoid router always normalises "
+                          f"the top-{hf.num_experts_per_tok} scores, so this router cannot be reproduced.")
+    dense = hf.first_k_dense_replace or 0
+    grouped = (hf.n_group or 1) > 1
+    if grouped and hf.num_experts_per_tok != 2 * hf.topk_group:
+        raise ConfigError(f"{hf.model_type}: group-limited routing with num_experts_per_tok={hf.num_experts_per_tok} "
+                          f"and topk_group={hf.topk_group}; transformers scores a group by its best 2 experts, "
+                          f"Megatron-Core by its best num_experts_per_tok / topk_group, the same only where "
+                          f"num_experts_per_tok = 2 x topk_group (DeepSeek-V3: 8 = 2 x 4).")
+    shared = (hf.n_shared_experts or 0) * hf.moe_intermediate_size
+    return {"num_experts": hf.n_routed_experts, "moe_router_topk": hf.num_experts_per_tok,
+            "moe_ffn_hidden_size": hf.moe_intermediate_size, "moe_shared_expert_intermediate_size": shared or None,
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_num_groups": hf.n_group if grouped else None,
+            "moe_router_group_topk": hf.topk_group if grouped else None,
+            "moe_router_topk_scaling_factor": hf.routed_scaling_factor if hf.routed_scaling_factor != 1 else None,
+            "moe_layer_freq": [0] * dense + [1] * (hf.num_hidden_layers - dense) if dense else 1}
+
+
+def grouped_sigmoid_router_hf(m: ModelConfig) -> dict[str, Any]:
+    flags = m.moe_flags
+    dense = flags.index(True) if any(flags) else None
+    shared = m.moe_shared_expert_intermediate_size or 0
+    if dense is None or flags != [False] * dense + [True] * (m.num_layers - dense) or shared % m.moe_ffn_hidden_size:
+        raise ConfigError(f"{m.family} places dense layers first only (first_k_dense_replace) and shared experts as a "
+                          f"whole number of routed experts' widths; moe_layer_freq={m.moe_layer_freq} and shared width "
+                          f"{shared} (expert width {m.moe_ffn_hidden_size}) cannot be written.")
+    return {"n_routed_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size, "n_shared_experts": shared // m.moe_ffn_hidden_size,
+            "n_group": m.moe_router_num_groups or 1, "topk_group": m.moe_router_group_topk or 1,
+            "routed_scaling_factor": m.moe_router_topk_scaling_factor or 1.0, "norm_topk_prob": True,
+            "first_k_dense_replace": dense}
+
+
+# DeepSeek-V3 builds its query/key-value latent norms with eps 1e-6 whatever rms_norm_eps says; Megatron-Core has one.
+DEEPSEEK_LATENT_NORM_EPS = 1e-6
+
+
+def deepseek_v3_read(hf: Any) -> dict[str, Any]:
+    if getattr(hf, "attention_bias", False):
+        raise ConfigError("deepseek_v3: attention_bias=True (biases on the latent projections) is not built by "
+                          "Megatron-Core's multi-latent attention; every released DeepSeek-V3 checkpoint has it off.")
+    if not getattr(hf, "rope_interleave", True):
+        raise ConfigError("deepseek_v3: rope_interleave=False; Megatron-Core's multi-latent attention rotates "
+                          "interleaved pairs, as every released DeepSeek-V3 checkpoint does.")
+    if hf.rms_norm_eps != DEEPSEEK_LATENT_NORM_EPS:
+        raise ConfigError(f"deepseek_v3: rms_norm_eps={hf.rms_norm_eps}; transformers builds the latent norms with "
+                          f"{DEEPSEEK_LATENT_NORM_EPS} whatever it says and Megatron-Core uses one epsilon for every "
+                          f"norm, so only rms_norm_eps={DEEPSEEK_LATENT_NORM_EPS} (DeepSeek-V3's) is reproduced.")
+    if getattr(hf, "quantization_config", None):
+        raise ConfigError(f"deepseek_v3: the checkpoint is quantized ({hf.quantization_config.get('quant_method')}, "
+                          f"DeepSeek-V3's FP8 blocks with weight_scale_inv tensors); the cookbook converts bf16/fp32 "
+                          f"weights. Dequantize it to bf16 first (DeepSeek's inference/fp8_cast_bf16.py) and drop "
+                          f"quantization_config from config.json.")
+    return grouped_sigmoid_router(hf) | {
+        "multi_latent_attention": True, "qk_layernorm": True, "q_lora_rank": hf.q_lora_rank,
+        "kv_lora_rank": hf.kv_lora_rank, "qk_head_dim": hf.qk_nope_head_dim, "qk_pos_emb_head_dim": hf.qk_rope_head_dim,
+        "v_head_dim": hf.v_head_dim, "kv_channels": hf.qk_nope_head_dim + hf.qk_rope_head_dim}
+
+
+def deepseek_v3_write(m: ModelConfig) -> dict[str, Any]:
+    return grouped_sigmoid_router_hf(m) | {
+        "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_head_dim,
+        "qk_rope_head_dim": m.qk_pos_emb_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": True,
+        "num_key_value_heads": m.num_attention_heads, "head_dim": m.qk_pos_emb_head_dim}
+
+
+def moe_layers(hf: Any) -> int | list[int]:
+    """HF places MoE at layers with (i+1) % decoder_sparse_step == 0, minus mlp_only_layers."""
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    dense_only = set(getattr(hf, "mlp_only_layers", None) or [])
+    pattern = [int((i + 1) % step == 0 and i not in dense_only) for i in range(hf.num_hidden_layers)]
+    return 1 if all(pattern) else pattern
+
+
+def moe_layers_hf(model: ModelConfig) -> dict[str, Any]:
+    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, moe in enumerate(model.moe_flags) if not moe]}
+
+
+def glm4_moe_read(hf: Any) -> dict[str, Any]:
+    """GLM-4.5: grouped-query attention with a bias on q, k and v (attention_bias), optional per-head q/k norms, half of
+    each head rotating, and DeepSeek-V3's router (`grouped_sigmoid_router`)."""
+    return grouped_sigmoid_router(hf) | {"add_qkv_bias": bool(hf.attention_bias), "qk_layernorm": bool(hf.use_qk_norm)}
+
+
+def glm4_moe_write(m: ModelConfig) -> dict[str, Any]:
+    return grouped_sigmoid_router_hf(m) | {"attention_bias": m.add_qkv_bias, "use_qk_norm": m.qk_layernorm}

@@ -1,0 +1,142 @@
+"""A Hugging Face model folder read without its weights: config.json and the safetensors headers, checked against
+each other (`inspect_hf`), before any conversion starts and again in the conversion worker.
+
+The folder's tensors are named with the shard that holds each, its shape and its safetensors dtype (`HFCheckpoint`);
+a truncated shard, a damaged header, a missing or unexpected tensor and a shape that config.json does not imply are
+refused here, naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook.core.checkpoints import families, hf_mapping
+from pai_cookbook.core.configs.model_config import ConfigError, ModelConfig
+from pai_cookbook.core.launching import inputs
+
+IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed on load
+FP32_HF_TENSORS = ("e_score_correction_bias",)  # fp32 in a checkpoint of any dtype (transformers keeps them so)
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclass
+class HFCheckpoint:
+    folder: Path
+    model: ModelConfig
+    tensors: dict[str, tuple[str, tuple[int, ...], str]]
+    """name -> (shard file, shape, safetensors dtype)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        names = {dtype for name, (_, _, dtype) in self.tensors.items()
+                 if not (name.endswith(FP32_HF_TENSORS) and dtype == "F32")}
+        if len(names) != 1 or next(iter(names)) not in _DTYPES:
+            raise ConfigError(f"{self.folder}: tensors must share one dtype of {sorted(_DTYPES)}, found {sorted(names)}.")
+        return _DTYPES[names.pop()]
+
+    @property
+    def largest_shard_bytes(self) -> int:
+        return max((self.folder / f).stat().st_size for f in {f for f, _, _ in self.tensors.values()})
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a .safetensors file, after checking the file holds all the data it declares."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ConfigError(f"{path} is truncated ({size} bytes): not even a safetensors header.")
+        (header_len,) = struct.unpack("<Q", raw)
+        if 8 + header_len > size:
+            raise ConfigError(f"{path} is truncated: header of {header_len} bytes, file of {size}.")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path} has a damaged safetensors header ({err}); the file is corrupt. Download it "
+                              f"again.") from None
+        if not isinstance(header, dict) or not all(isinstance(v, dict) and "data_offsets" in v
+                                                   for k, v in header.items() if k != "__metadata__"):
+            raise ConfigError(f"{path} has a safetensors header without tensor entries; the file is corrupt. "
+                              f"Download it again.")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise ConfigError(f"{path} is truncated: its tensors need {8 + header_len + end} bytes, the file has "
+                          f"{size}. Download it again.")
+    return header
+
+
+def _mtp_tensors(tensors: dict[str, Any], num_layers: int) -> set[str]:
+    """Tensors of the layers after the model's last (`model.layers.<n >= num_layers>.*`): DeepSeek-V3's and GLM-4.5's
+    multi-token-prediction modules (eh_proj, enorm, hnorm, a decoder layer, shared_head)."""
+    return {k for k in tensors if k.startswith("model.layers.") and k.split(".")[2].isdigit()
+            and int(k.split(".")[2]) >= num_layers}
+
+
+def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp: bool = False) -> HFCheckpoint:
+    """Read config and safetensors headers (no weights) and check them against each other.
+
+    `model`: the folder's config as an earlier inspection read it (the conversion worker gets it with its job, and
+    so does not import transformers to read config.json again: ~1.5 s of its start).
+
+    `drop_mtp`: leave out the multi-token-prediction layers some checkpoints carry after the last layer (refused by
+    name otherwise).
+
+    Raises:
+        ConfigError: unsupported architecture, truncated shard, missing/unexpected tensor, shape mismatch,
+            multi-token-prediction layers without `drop_mtp`.
+        FileNotFoundError: no config.json, no safetensors, or a shard the index lists is absent.
+    """
+    folder = Path(folder)
+    model = model or families.from_hf(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = inputs.read_json(index, fix="Download the model's index file again.").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index} has no \"weight_map\" of tensor names to shard files; it is damaged or not a "
+                              f"safetensors index. Download it again.")
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in folder.glob("*.bin")) or "nothing"
+        raise FileNotFoundError(f"{folder} has no model.safetensors(.index.json) (found {found}). The cookbook "
+                                f"reads safetensors only (pickle .bin files can run code); re-save the model "
+                                f"with save_pretrained(folder, safe_serialization=True).")
+    tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    for name in files:
+        path = folder / name
+        if not path.exists():
+            raise FileNotFoundError(f"shard {name} listed in {index.name} is missing from {folder}.")
+        for key, meta in read_safetensors_header(path).items():
+            if key != "__metadata__":
+                tensors[key] = (name, tuple(meta["shape"]), meta["dtype"])
+    expected = hf_mapping.expected_hf_shapes(model)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ConfigError(f"{folder}: {len(missing)} tensor(s) that config.json implies are missing, e.g. "
+                          f"{missing[:3]}; the weights do not belong to this config.")
+    mtp = _mtp_tensors(tensors, model.num_layers)
+    if mtp and not drop_mtp:
+        layers = sorted({int(k.split(".")[2]) for k in mtp})
+        parts = sorted({k.split(".", 3)[3].split(".")[0] for k in mtp})
+        raise ConfigError(f"{folder}: {len(mtp)} tensors of {len(layers)} multi-token-prediction layer(s) after the "
+                          f"model's {model.num_layers} (model.layers.{layers[0]}.*: {', '.join(parts)}). The cookbook "
+                          f"converts the model without them or not at all (transformers does not load them either): "
+                          f"pass drop_mtp=True to convert the model alone; the source keeps them.")
+    unexpected = sorted(k for k in set(tensors) - set(expected) - mtp if not k.endswith(IGNORED_HF_TENSORS))
+    if unexpected:
+        raise ConfigError(f"{folder}: tensor(s) the cookbook's {model.family} mapping does not know, e.g. "
+                          f"{unexpected[:3]}; the checkpoint has a feature the converter does not cover.")
+    for key, shape in expected.items():
+        if tensors[key][1] != shape:
+            raise ConfigError(f"{folder}: tensor {key} has shape {list(tensors[key][1])}, but config.json "
+                              f"implies {list(shape)}; config and weights disagree.")
+    checked = HFCheckpoint(folder, model, {k: tensors[k] for k in expected})
+    _ = checked.dtype  # one dtype for all tensors, or a ConfigError now rather than in the worker
+    return checked

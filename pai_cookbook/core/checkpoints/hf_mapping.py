@@ -1,0 +1,228 @@
+"""Which Hugging Face tensors make each Megatron-Core parameter, and how (the conversion's known traps).
+
+Megatron names are those of a TP=1, PP=1, EP=1 `GPTModel` (local spec): the whole, unsplit tensors.
+Splitting for TP/PP/EP is not done here: Megatron-Core's distributed checkpoint stores whole tensors
+as chunks and reshards on load, including the per-rank split of SwiGLU's fused gate/up weight
+(its sharded-tensor factory splits gate and up separately, never the concatenation globally).
+
+The traps, each a `kind` below:
+- `qkv`: Megatron fuses Q, K, V *per query group*: [q of group 0 (heads/groups x head_dim rows), k_0, v_0,
+  q_1, k_1, v_1, ...], so that a TP split of whole groups keeps each head with its KV head (GQA).
+- `gate_up`: SwiGLU's fc1 is cat(gate, up); Megatron applies silu to the first half.
+- `vocab`: embedding and output rows are padded to `ModelConfig.padded_vocab_size(TP)` with zeros, and
+  cut back on export. (A zero output row gives logit 0 for a token id that never occurs.)
+- `copy`: the same tensor (norms, o_proj, down_proj, router, QK norms, shared-expert gate).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pai_cookbook.core.configs.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    """Regex over Megatron parameter names; groups `i` (layer) and `e` (expert)."""
+    hf: tuple[str, ...]
+    """Hugging Face tensor names, formatted with the groups and `moe` (the family's MoE block name)."""
+    kind: str
+
+
+_L = r"decoder\.layers\.(?P<i>\d+)\."
+_H = "model.layers.{i}."
+_EXPERT = r"mlp\.experts\.local_experts\.(?P<e>\d+)\."
+
+RULES: tuple[Rule, ...] = (
+    Rule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), "vocab"),
+    Rule(r"output_layer\.weight", ("lm_head.weight",), "vocab"),
+    Rule(r"decoder\.final_layernorm\.weight", ("model.norm.weight",), "copy"),
+    Rule(_L + r"input_layernorm\.weight", (_H + "input_layernorm.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_qkv\.weight",
+         tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Rule(_L + r"self_attention\.linear_qkv\.bias", tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
+    Rule(_L + r"self_attention\.linear_proj\.weight", (_H + "self_attn.o_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.k_layernorm\.weight", (_H + "self_attn.k_norm.weight",), "copy"),
+    # multi-latent attention (DeepSeek-V3): both sides lay each head out as [no-rotary part, rotary part] (queries,
+    # keys) and [no-rotary key part, value] (the key/value up-projection), and the key/value down-projection as
+    # [latent, shared rotary key]: every tensor is copied.
+    Rule(_L + r"self_attention\.linear_q_proj\.weight", (_H + "self_attn.q_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_q_down_proj\.weight", (_H + "self_attn.q_a_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.q_layernorm\.weight", (_H + "self_attn.{q_norm}.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_q_up_proj\.weight", (_H + "self_attn.q_b_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_kv_down_proj\.weight", (_H + "self_attn.kv_a_proj_with_mqa.weight",), "copy"),
+    Rule(_L + r"self_attention\.kv_layernorm\.weight", (_H + "self_attn.kv_a_layernorm.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_kv_up_proj\.weight", (_H + "self_attn.kv_b_proj.weight",), "copy"),
+    Rule(_L + r"pre_mlp_layernorm\.weight", (_H + "post_attention_layernorm.weight",), "copy"),
+    Rule(_L + r"mlp\.linear_fc1\.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
+    Rule(_L + r"mlp\.linear_fc2\.weight", (_H + "mlp.down_proj.weight",), "copy"),
+    Rule(_L + r"mlp\.router\.weight", (_H + "{moe}.gate.weight",), "copy"),
+    Rule(_L + r"mlp\.router\.expert_bias", (_H + "{moe}.gate.e_score_correction_bias",), "copy"),
+    Rule(_L + _EXPERT + r"linear_fc1\.weight", (_H + "{moe}.experts.{e}.{gate}.weight",
+                                                _H + "{moe}.experts.{e}.{up}.weight"), "gate_up"),
+    Rule(_L + _EXPERT + r"linear_fc2\.weight", (_H + "{moe}.experts.{e}.{down}.weight",), "copy"),
+    Rule(_L + r"mlp\.shared_experts\.linear_fc1\.weight",
+         (_H + "mlp.{shared}.gate_proj.weight", _H + "mlp.{shared}.up_proj.weight"), "gate_up"),
+    Rule(_L + r"mlp\.shared_experts\.linear_fc2\.weight", (_H + "mlp.{shared}.down_proj.weight",), "copy"),
+    Rule(_L + r"mlp\.shared_experts\.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "copy"),
+)
+
+# How each family names its MoE block and expert projections on disk (the hub format, which is also
+# what transformers 5 writes with save_pretrained).
+_DENSE_NAMES = {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "shared": "shared_expert",
+                "q_norm": "q_norm"}
+_MOE_NAMES = {
+    "mixtral": _DENSE_NAMES | {"moe": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
+    "qwen2_moe": _DENSE_NAMES,
+    "qwen3_moe": _DENSE_NAMES,
+    # the query latent's norm, and the shared experts (plural)
+    "deepseek_v3": _DENSE_NAMES | {"shared": "shared_experts", "q_norm": "q_a_layernorm"},
+    "glm4_moe": _DENSE_NAMES | {"shared": "shared_experts"},
+}
+
+
+class UnmappedParameter(KeyError):
+    """A Megatron parameter no rule knows: the model has a feature the converter does not cover."""
+
+
+def hf_names(megatron_name: str, model: ModelConfig) -> tuple[str, tuple[str, ...]]:
+    """(kind, HF tensor names) that make the Megatron parameter `megatron_name`."""
+    names = _MOE_NAMES.get(model.family, _DENSE_NAMES)
+    for rule in RULES:
+        match = re.fullmatch(rule.megatron, megatron_name)
+        if match:
+            return rule.kind, tuple(h.format(**match.groupdict(), **names) for h in rule.hf)
+    raise UnmappedParameter(f"no Hugging Face mapping for Megatron parameter {megatron_name!r} "
+                            f"(family {model.family})")
+
+
+def _qkv_geometry(model: ModelConfig) -> tuple[int, int, int]:
+    groups, head_dim = model.query_groups, model.head_dim
+    return groups, model.num_attention_heads // groups * head_dim, head_dim
+
+
+def to_megatron(kind: str, tensors: list[torch.Tensor], model: ModelConfig, padded_vocab: int) -> torch.Tensor:
+    """Build one Megatron parameter from its HF tensors (see the module docstring for the kinds)."""
+    if kind == "copy":
+        return tensors[0]
+    if kind == "gate_up":
+        return torch.cat(tensors, dim=0)
+    if kind == "qkv":
+        groups, q_rows, head_dim = _qkv_geometry(model)
+        q, k, v = tensors
+        rest = q.shape[1:]
+        per_group = [q.reshape(groups, q_rows, *rest), k.reshape(groups, head_dim, *rest),
+                     v.reshape(groups, head_dim, *rest)]
+        return torch.cat(per_group, dim=1).reshape(-1, *rest)
+    if kind == "vocab":
+        (weight,) = tensors
+        padding = padded_vocab - weight.shape[0]
+        if padding == 0:
+            return weight
+        return torch.cat([weight, weight.new_zeros(padding, *weight.shape[1:])], dim=0)
+    raise ValueError(f"unknown conversion kind {kind!r}")
+
+
+class NonFiniteWeights(ValueError):
+    """A checkpoint tensor holds NaN or Inf: converting it would publish a model that can only produce NaN."""
+
+
+def check_finite(name: str, tensor: torch.Tensor, where: str) -> torch.Tensor:
+    """`tensor`, after checking that every value is finite (done on the tensor the conversion reads anyway, so it
+    costs a pass over memory, not over the disk).
+
+    Raises:
+        NonFiniteWeights: naming the tensor, the file it came from and how many of its values are NaN / Inf.
+    """
+    # in pieces: a whole-tensor mask is a byte per value (1.2 GB for a 152k x 8192 embedding) per writer thread
+    if tensor.is_floating_point() and not all(bool(torch.isfinite(piece).all())
+                                              for piece in tensor.reshape(-1).split(1 << 24)):
+        nan = int(torch.isnan(tensor).sum())
+        inf = int(torch.isinf(tensor).sum())
+        raise NonFiniteWeights(
+            f"{name} in {where} holds {nan} NaN and {inf} Inf of its {tensor.numel()} values; the conversion stops "
+            f"before publishing anything. The model that wrote it diverged or the file is damaged: convert an earlier "
+            f"checkpoint (or the original download) instead.")
+    return tensor
+
+
+def to_hf(kind: str, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
+    """Split one Megatron parameter back into its HF tensors (exact inverse of `to_megatron`)."""
+    if kind == "copy":
+        return [tensor]
+    if kind == "gate_up":
+        return list(torch.chunk(tensor, 2, dim=0))
+    if kind == "qkv":
+        groups, q_rows, head_dim = _qkv_geometry(model)
+        rest = tensor.shape[1:]
+        q, k, v = tensor.reshape(groups, q_rows + 2 * head_dim, *rest).split([q_rows, head_dim, head_dim], dim=1)
+        return [x.reshape(-1, *rest) for x in (q, k, v)]
+    if kind == "vocab":
+        return [tensor[:model.vocab_size]]
+    raise ValueError(f"unknown conversion kind {kind!r}")
+
+
+def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of `model` must hold, with its shape."""
+    h, layers = model.hidden_size, model.num_layers
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
+    if not model.tie_word_embeddings:
+        shapes["lm_head.weight"] = (model.vocab_size, h)
+    names = _MOE_NAMES.get(model.family, _DENSE_NAMES)
+    flags = model.moe_flags
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= _mla_shapes(model, p) if model.multi_latent_attention else _attention_shapes(model, p)
+        is_moe = model.is_moe and flags[i]
+        if not is_moe:
+            f = model.ffn_hidden_size
+            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f)}
+            continue
+        f, moe = model.moe_ffn_hidden_size or model.ffn_hidden_size, names["moe"]
+        shapes[p + f"{moe}.gate.weight"] = (model.num_experts, h)
+        for e in range(model.num_experts):
+            x = p + f"{moe}.experts.{e}."
+            shapes |= {x + f"{names['gate']}.weight": (f, h), x + f"{names['up']}.weight": (f, h),
+                       x + f"{names['down']}.weight": (h, f)}
+        if model.moe_router_enable_expert_bias:
+            shapes[p + f"{moe}.gate.e_score_correction_bias"] = (model.num_experts,)
+        if model.moe_shared_expert_intermediate_size:
+            s, x = model.moe_shared_expert_intermediate_size, p + f"mlp.{names['shared']}."
+            shapes |= {x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h), x + "down_proj.weight": (h, s)}
+            if model.moe_shared_expert_gate:
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+def _attention_shapes(model: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, d = model.hidden_size, model.head_dim
+    q_out, kv_out = model.num_attention_heads * d, model.query_groups * d
+    shapes = {p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
+              p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out)}
+    if model.add_qkv_bias:
+        shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                   p + "self_attn.v_proj.bias": (kv_out,)}
+    if model.qk_layernorm:
+        shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    return shapes
+
+
+def _mla_shapes(model: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's attention tensors: query latent (or a direct query projection), key/value latent with the shared
+    rotary key, their norms, the per-head up-projections and the output."""
+    h, heads, a = model.hidden_size, model.num_attention_heads, p + "self_attn."
+    q_head, latent = model.qk_head_dim + model.qk_pos_emb_head_dim, model.kv_lora_rank
+    shapes = {a + "kv_a_proj_with_mqa.weight": (latent + model.qk_pos_emb_head_dim, h),
+              a + "kv_a_layernorm.weight": (latent,),
+              a + "kv_b_proj.weight": (heads * (model.qk_head_dim + model.v_head_dim), latent),
+              a + "o_proj.weight": (h, heads * model.v_head_dim)}
+    if model.q_lora_rank is None:
+        return shapes | {a + "q_proj.weight": (heads * q_head, h)}
+    return shapes | {a + "q_a_proj.weight": (model.q_lora_rank, h), a + "q_a_layernorm.weight": (model.q_lora_rank,),
+                     a + "q_b_proj.weight": (heads * q_head, model.q_lora_rank)}

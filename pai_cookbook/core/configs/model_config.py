@@ -1,0 +1,272 @@
+"""The model's architecture as one validated dataclass, and the error every cookbook config raises.
+
+`ModelConfig` describes a decoder-only transformer in Megatron-Core's vocabulary (dense or MoE);
+`core.checkpoints.families` fills it from a Hugging Face `config.json`, `core.modeling.model` turns it into
+a Megatron-Core `TransformerConfig`. The run-side concerns (layout, precision, optimizer, data,
+checkpoints) are in `core.configs.config`, which re-exports both names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the value and the fix."""
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        require(value is None or value > 0, f"{type(obj).__name__}.{name} must be > 0, got {value}.")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer, in Megatron-Core's vocabulary.
+
+    `core.checkpoints.families` fills this from a Hugging Face `config.json`; the defaults describe a
+    Llama-style model (RMSNorm, SwiGLU, rotary, no biases, untied embeddings).
+    """
+
+    family: str = "llama"
+    """Registry name of the model family (see `core.checkpoints.families.FAMILIES`)."""
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Model width."""
+    ffn_hidden_size: int
+    """Width of the dense MLP (per branch of SwiGLU)."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means multi-head attention (= heads)."""
+    kv_channels: int | None = None
+    """Head dimension; None means hidden_size / num_attention_heads."""
+    vocab_size: int
+    """Tokenizer vocabulary size, before Megatron's padding (see `padded_vocab_size`)."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this x TP, so every TP shard is GEMM-friendly."""
+    max_position_embeddings: int
+    """Longest sequence the position encoding is configured for."""
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    """Rotary (Llama, Qwen, Mistral) or learned absolute positions (GPT-2)."""
+    rotary_base: float = 10000.0
+    """Rotary base theta (Llama 2: 1e4, Llama 3: 5e5, Qwen2: 1e6)."""
+    rotary_percent: float = 1.0
+    """Fraction of the head dimension that rotates."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1-style rotary frequency scaling factor; None disables it."""
+    sliding_window: int | None = None
+    """Mistral's attention window; the local attention is full, which is identical while
+    seq_length <= sliding_window (checked by RunConfig)."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    """MLP activation; swiglu means gated SiLU with gate and up projections."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection only (Qwen2)."""
+    add_bias_linear: bool = False
+    """Bias on every linear layer (GPT-2 style)."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head (Qwen3); with multi-latent attention, the two latents (DeepSeek-V3)."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2): keys and values rebuilt per head from one small latent per
+    token, queries from another (or straight from the hidden state), each query/key head a part without rotary and a
+    rotary part (the key's shared by every head). The fields below shape it; kv_channels is the query/key head width
+    (qk_head_dim + qk_pos_emb_head_dim) and num_query_groups is unused."""
+    q_lora_rank: int | None = None
+    """Width of the query latent; None projects queries straight from the hidden state (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Width of the key/value latent."""
+    qk_head_dim: int = 128
+    """Width of each query/key head's part without rotary."""
+    qk_pos_emb_head_dim: int = 64
+    """Width of each query/key head's rotary part."""
+    v_head_dim: int = 128
+    """Width of each value head."""
+    yarn: dict[str, float] | None = None
+    """YaRN rotary scaling (DeepSeek-V3's 128k context) in Megatron-Core's terms: factor,
+    original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim; None: plain rotary. With
+    multi-latent attention only."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer (small Qwen2 models)."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    attention_backend: Literal["sdpa", "unfused"] = "sdpa"
+    """Core attention where Transformer Engine's is not used (every CPU run): "sdpa", PyTorch's fused
+    scaled_dot_product_attention (`core.modeling.attention`); "unfused", Megatron-Core's DotProductAttention, whose
+    score matrix is materialised. Same parameters and results (to float rounding); not architecture."""
+    init_method_std: float = 0.02
+    """Std of the normal weight init for models trained from scratch."""
+
+    num_experts: int | None = None
+    """Routed experts per MoE layer; None means a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of one routed expert; None means ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of the always-on shared expert (Qwen2-MoE); None means no shared expert."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert by a learned sigmoid gate (Qwen2-MoE)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k, without renormalising (Qwen2-MoE norm_topk_prob=False)."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, added to sigmoid scores for the top-k
+    choice only, moves each step towards equal load (needs moe_router_score_function='sigmoid')."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of that bias per optimizer step."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V3: 256 experts in 8 groups): experts are split into this many groups and a
+    token picks its top-k only among the `moe_router_group_topk` groups whose two best scores sum highest."""
+    moe_router_group_topk: int | None = None
+    """Groups a token may route to (DeepSeek-V3: 4 of 8); with moe_router_num_groups."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplies the routed experts' weights (DeepSeek-V3's routed_scaling_factor 2.5); None: 1."""
+    moe_layer_freq: int | list[int] = 1
+    """Every n-th layer is MoE (1: all, 2: every other layer as GShard did), or a 0/1 flag per layer."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                            "none"] = "aux_loss"
+    """Aux loss over the micro-batch, per sequence, or over the global batch; Sinkhorn (top-1) balances
+    by assignment instead of by a loss."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss weight (Mixtral: 0.02); 0 trains without it."""
+    moe_z_loss_coeff: float | None = None
+    """Router z-loss weight (ST-MoE: 1e-3); None disables it."""
+    moe_expert_capacity_factor: float | None = None
+    """Tokens an expert takes per micro-batch, as a multiple of its fair share (tokens x top-k / experts);
+    tokens beyond it are dropped (lowest router probability first). None: dropless."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (static shapes); needs moe_expert_capacity_factor."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """How tokens reach experts across EP ranks; flex needs DeepEP (GPU only)."""
+    moe_grouped_gemm: bool | None = None
+    """Grouped GEMM for experts; None picks it on GPU and a per-expert loop on CPU."""
+
+    def __post_init__(self) -> None:
+        positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups", "kv_channels", "vocab_size", "max_position_embeddings",
+                  "rotary_base", "num_experts", "moe_router_topk", "sliding_window")
+        require(isinstance(self.moe_layer_freq, list) or (isinstance(self.moe_layer_freq, int)
+                                                          and self.moe_layer_freq >= 1),
+                 f"moe_layer_freq={self.moe_layer_freq!r} must be an int >= 1 (every n-th layer is MoE) or a list of "
+                 f"one 0/1 flag per layer.")
+        require(not isinstance(self.moe_layer_freq, list) or len(self.moe_layer_freq) == self.num_layers,
+                 f"moe_layer_freq as a list needs one 0/1 flag per layer ({self.num_layers}), "
+                 f"got {len(self.moe_layer_freq) if isinstance(self.moe_layer_freq, list) else 0}.")
+        require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                 f"{self.num_attention_heads}; set kv_channels (head dim) explicitly or change one of them.")
+        require(self.attention_backend in ("sdpa", "unfused"),
+                 f"attention_backend {self.attention_backend!r}: one of 'sdpa' (PyTorch's fused attention) or "
+                 f"'unfused' (Megatron-Core's DotProductAttention).")
+        groups = self.query_groups
+        require(self.num_attention_heads % groups == 0,
+                 f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
+                 f"{groups}; grouped-query attention needs whole groups of query heads per KV head.")
+        require(self.moe_aux_loss_coeff >= 0 and (self.moe_z_loss_coeff or 0) >= 0,
+                 f"moe_aux_loss_coeff {self.moe_aux_loss_coeff} and moe_z_loss_coeff {self.moe_z_loss_coeff} must "
+                 f"be >= 0 (a negative weight rewards imbalance); use 0 to switch a loss off.")
+        if self.num_experts is not None:
+            require(any(self.moe_flags),
+                     f"num_experts {self.num_experts} with no MoE layer (moe_layer_freq {self.moe_layer_freq}); make at "
+                     f"least one layer MoE, or set num_experts=None for a dense model.")
+            require(self.moe_router_topk <= self.num_experts,
+                     f"moe_router_topk {self.moe_router_topk} exceeds num_experts {self.num_experts}; "
+                     f"a token cannot be routed to more experts than exist.")
+            require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_router_topk == 1,
+                     f"sinkhorn load balancing supports top-1 routing only, got moe_router_topk "
+                     f"{self.moe_router_topk}; use aux_loss or set moe_router_topk=1.")
+            require(self.moe_router_load_balancing_type != "sinkhorn" or self.moe_aux_loss_coeff == 0,
+                     f"sinkhorn balances by assignment and refuses an aux loss; set moe_aux_loss_coeff=0 "
+                     f"(got {self.moe_aux_loss_coeff}).")
+            require(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
+                     "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' (the bias "
+                     "shifts sigmoid scores); set the score function or disable the bias.")
+            capacity = self.moe_expert_capacity_factor
+            require(capacity is None or (capacity > 0 and self.moe_router_load_balancing_type != "sinkhorn"),
+                     f"moe_expert_capacity_factor {capacity} must be > 0 (None: dropless) and works with the "
+                     f"aux-loss balancing types, not sinkhorn ({self.moe_router_load_balancing_type!r}).")
+            require(not self.moe_pad_expert_input_to_capacity or capacity is not None,
+                     "moe_pad_expert_input_to_capacity=True pads to a capacity; set moe_expert_capacity_factor.")
+        if self.multi_latent_attention:
+            positive(self, "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+            require(self.kv_channels == self.qk_head_dim + self.qk_pos_emb_head_dim,
+                     f"with multi-latent attention kv_channels is the query/key head width qk_head_dim + "
+                     f"qk_pos_emb_head_dim = {self.qk_head_dim + self.qk_pos_emb_head_dim}, got {self.kv_channels}.")
+        require(self.yarn is None or self.multi_latent_attention,
+                 "yarn rotary scaling is built by Megatron-Core's multi-latent attention only; this model has "
+                 "multi_latent_attention=False. Remove yarn (and use the model's original context) or use a family "
+                 "with multi-latent attention.")
+        if self.num_experts is not None and self.moe_router_num_groups is not None:
+            groups, picked = self.moe_router_num_groups, self.moe_router_group_topk
+            require(self.num_experts % groups == 0 and picked is not None and 0 < picked <= groups,
+                     f"group-limited routing needs num_experts ({self.num_experts}) divisible by moe_router_num_groups "
+                     f"({groups}) and 0 < moe_router_group_topk ({picked}) <= moe_router_num_groups.")
+        if self.position_embedding_type == "rope":
+            # Rotary's slowest component turns once every 2*pi*base tokens (times the scaling factor of Llama 3's or
+            # YaRN's scaling, which stretch the slow components): past that, distant positions alias onto near ones.
+            stretch = (self.yarn or {}).get("factor") or self.rope_scaling_factor or 1.0
+            longest_wavelength = 2 * math.pi * self.rotary_base * stretch
+            require(self.max_position_embeddings <= longest_wavelength,
+                     f"max_position_embeddings {self.max_position_embeddings} exceeds rotary's longest "
+                     f"wavelength 2*pi*rotary_base x scaling = {longest_wavelength:.0f} tokens (rotary_base "
+                     f"{self.rotary_base:g}, scaling x{stretch:g}); raise rotary_base (Llama 3 uses 500000) or shorten "
+                     f"the context.")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def moe_flags(self) -> list[bool]:
+        """Which layers are MoE by `moe_layer_freq` (every n-th from the first, or one 0/1 flag per layer), one per
+        layer; said of the pattern, whether or not the model has experts."""
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            return [bool(f) for f in freq]
+        return [i % freq == 0 for i in range(self.num_layers)]
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Embedding rows after padding to a multiple of make_vocab_size_divisible_by x TP."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def summary(self) -> str:
+        """The fields that shape this model, in one line for a reader (the full record is `dataclasses.asdict`)."""
+        attention = f"{self.num_attention_heads} attention heads of {self.head_dim}"
+        if self.multi_latent_attention:
+            attention = (f"{self.num_attention_heads} multi-latent attention heads of {self.qk_head_dim}+"
+                         f"{self.qk_pos_emb_head_dim} (KV latent {self.kv_lora_rank}, query latent {self.q_lora_rank})")
+        elif self.query_groups != self.num_attention_heads:
+            attention += f" ({self.query_groups} KV groups)"
+        parts = [f"{self.family}: {self.num_layers} layers", f"hidden {self.hidden_size}", attention,
+                 f"{self.activation} MLP {self.ffn_hidden_size}", f"{self.normalization}",
+                 f"vocabulary {self.vocab_size:,}",
+                 f"RoPE base {self.rotary_base:,.0f}" if self.position_embedding_type == "rope"
+                 else f"{self.position_embedding_type} positions"]
+        if self.is_moe:
+            parts.append(f"MoE: {self.num_experts} experts of {self.moe_ffn_hidden_size or self.ffn_hidden_size}, "
+                         f"top-{self.moe_router_topk}"
+                         + (f" + a shared expert of {self.moe_shared_expert_intermediate_size}"
+                            if self.moe_shared_expert_intermediate_size else ""))
+        if self.tie_word_embeddings:
+            parts.append("tied embeddings")
+        return ", ".join(parts)

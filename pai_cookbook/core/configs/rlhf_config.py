@@ -1,0 +1,168 @@
+"""The knobs of RLHF's runs, checked when built: a reward model's (`RewardModelConfig`), GRPO's (`GRPOConfig`) and
+PPO's (`PPOConfig`). The recipes (`reward_model`, `rlhf`) export them; the jobs that carry them to the workers are
+`core.launching.jobs.RewardModelJob` and `core.launching.jobs.RLJob`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pai_cookbook.core.configs.model_config import ConfigError
+from pai_cookbook.core.rl.rl_math import KL_ESTIMATORS
+
+
+@dataclass(kw_only=True)
+class RewardModelConfig:
+    """The knobs of a reward-model run; batch sizes count pairs (each is two sequences)."""
+
+    steps: int = 100
+    lr: float = 1e-4
+    """Peak learning rate, after `warmup_steps`, decayed by cosine to lr / 10."""
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    global_batch_size: int = 16
+    """Pairs per optimizer step (over all data-parallel ranks)."""
+    micro_batch_size: int = 4
+    """Pairs per forward/backward: 2 x this sequences."""
+    eval_interval: int = 0
+    """Held-out accuracy every this many steps (and after the last); 0: after the last only."""
+    seed: int = 1234
+    """Pair order (reshuffled every pass over the set) and the head's initial weights."""
+    chat_template: str = "auto"
+    """Prompts through the tokenizer's chat template: "auto" (when it has one), "always", "never"."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"RewardModelConfig.{name}={getattr(self, name)} must be at least 1.")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"RewardModelConfig.global_batch_size={self.global_batch_size} must be a multiple of "
+                              f"micro_batch_size={self.micro_batch_size}.")
+        if not self.lr > 0 or self.warmup_steps < 0 or self.eval_interval < 0:
+            raise ConfigError(f"RewardModelConfig: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} "
+                              f"and eval_interval={self.eval_interval} >= 0.")
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """The knobs of a GRPO run. Defaults: DeepSeekMath's clip and KL coefficient, one update per batch."""
+
+    steps: int = 20
+    """Rollout-and-update steps."""
+    prompts_per_step: int = 4
+    """Prompts sampled per step (drawn in order from the prompt set, reshuffled every pass)."""
+    group_size: int = 8
+    """Completions per prompt; GRPO's baseline is their mean reward (at least 2)."""
+    max_new_tokens: int = 16
+    """Completion length limit, end-of-turn token included."""
+    epochs: int = 1
+    """Optimizer steps on each batch of rollouts (the first sees ratio 1; later ones are clipped)."""
+    clip: float = 0.2
+    """PPO's ratio clip: ratios outside [1 - clip, 1 + clip] stop the gradient where they would gain."""
+    kl_coef: float = 0.04
+    """Weight of the per-token KL(policy || reference) in the loss; 0 switches the reference off."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    lr: float = 1e-5
+    """Adam's learning rate, constant after the warmup."""
+    warmup_steps: int = 0
+    """Optimizer steps (`epochs` per RL step) of linear warmup from 0 to lr: Adam's first steps move every weight
+    by about lr whatever the gradient's size, which a small policy may not survive at a learning rate it learns
+    well at later."""
+    clip_grad: float = 1.0
+    micro_batch_size: int = 8
+    """Completions per forward/backward; a step's batch (prompts x group) is split into these."""
+    seed: int = 1234
+    """Sampling and prompt order; the same seed gives the same run at every layout."""
+    shuffle_rewards: bool = False
+    """The control: each step's rewards are permuted across its completions before the advantages, which
+    keeps their distribution and removes their meaning. A run that learns anyway learned from noise."""
+    rollouts: str | None = None
+    """A rollouts.jsonl of an earlier run to replay instead of sampling (layout parity, debugging)."""
+    save_interval: int | None = None
+    """Checkpoint every this many steps (and at the last); 0: the last only; None: every quarter of the run
+    (`saves_every`), so a run that dies (a killed kernel, a lost node) loses at most a quarter of its steps. (A
+    reward that fails mid-run saves the finished steps whatever this is.)"""
+    chat_template: str = "auto"
+    """Prompts through the tokenizer's chat template: "auto" (when it has one), "always", "never"."""
+    eval_interval: int = 0
+    """With `eval_prompts`: sample and score them before the first step, every this many steps and after the
+    last (0: before the first and after the last only)."""
+    eval_samples: int = 2
+    """Completions per held-out prompt at each evaluation (temperature 1, one fixed seed for every evaluation)."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for knob in ("steps", "prompts_per_step", "max_new_tokens", "epochs", "micro_batch_size", "eval_samples"):
+            if getattr(self, knob) < 1:
+                raise ConfigError(f"{name}.{knob}={getattr(self, knob)} must be at least 1.")
+        self._check_group_size()
+        if not 0.0 < self.clip < 1.0:
+            raise ConfigError(f"{name}.clip={self.clip} must lie in (0, 1); 0.2 is usual.")
+        if self.kl_coef < 0:
+            raise ConfigError(f"{name}.kl_coef={self.kl_coef} must be >= 0 (0 switches the KL penalty off).")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"{name}.kl_estimator={self.kl_estimator!r}; use one of {KL_ESTIMATORS}.")
+        for knob in ("warmup_steps", "eval_interval", "save_interval"):
+            if (getattr(self, knob) or 0) < 0:
+                raise ConfigError(f"{name}.{knob}={getattr(self, knob)} must be >= 0.")
+        if not self.lr > 0:
+            raise ConfigError(f"{name}.lr={self.lr} must be > 0.")
+
+    @property
+    def saves_every(self) -> int:
+        """Steps between checkpoints: `save_interval`, or a quarter of the run when it is None."""
+        return -(-self.steps // 4) if self.save_interval is None else self.save_interval
+
+    def _check_group_size(self) -> None:
+        if self.group_size < 2:
+            raise ConfigError(f"GRPOConfig.group_size={self.group_size}: GRPO compares the completions of one prompt "
+                              f"with each other, so it needs at least 2 (8-64 is usual).")
+
+    @property
+    def rows(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(kw_only=True)
+class PPOConfig(GRPOConfig):
+    """The knobs of a PPO run (InstructGPT's recipe, Ziegler et al. 2019): a critic (a scalar-head GPT, by
+    default the reward model's weights) predicts each token's return; GAE turns the per-token rewards into
+    advantages; the KL to the reference is a per-token penalty in the reward, its coefficient fixed or steered
+    by `rl.AdaptiveKL` towards `kl_target`. The fields it shares with GRPOConfig mean the same."""
+
+    group_size: int = 1
+    """Completions per prompt (the critic is PPO's baseline, so 1 is usual)."""
+    kl_coef: float = 0.05
+    """The KL penalty's (starting) coefficient in the reward: r_t = -kl_coef KL_t, plus the score at the end."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    kl_target: float | None = None
+    """Per-completion KL (summed over its tokens) the adaptive controller steers to; None: a fixed kl_coef."""
+    kl_horizon: int = 10_000
+    """The controller's horizon in completions: how slowly the coefficient moves (Ziegler et al.: 10,000)."""
+    critic_lr: float | None = None
+    """The critic's learning rate (default: lr)."""
+    value_clip: float = 0.2
+    """How far a value may move from the rollout's before its clipped error counts (in reward units)."""
+    gamma: float = 1.0
+    lam: float = 0.95
+    """GAE's discount and lambda (per token; 1 and 0.95 as in InstructGPT-style RLHF)."""
+    whiten_advantages: bool = True
+    """Normalise the advantages over each step's completion tokens (zero mean, unit variance)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kl_target is not None and not self.kl_target > 0:
+            raise ConfigError(f"PPOConfig.kl_target={self.kl_target} must be > 0 (or None for a fixed coefficient).")
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ConfigError("PPOConfig.kl_coef=0 with a kl_target: the adaptive controller scales the coefficient, "
+                              "so it can never leave 0. Start it above 0 (0.05 is usual).")
+        if self.kl_horizon < 1 or not self.value_clip > 0 or not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ConfigError(f"PPOConfig: kl_horizon={self.kl_horizon} must be >= 1, value_clip={self.value_clip} > 0, "
+                              f"gamma={self.gamma} in (0, 1], lam={self.lam} in [0, 1].")
+        if self.critic_lr is not None and not self.critic_lr > 0:
+            raise ConfigError(f"PPOConfig.critic_lr={self.critic_lr} must be > 0.")
+
+    def _check_group_size(self) -> None:
+        if self.group_size < 1:
+            raise ConfigError(f"PPOConfig.group_size={self.group_size} must be at least 1.")

@@ -1,0 +1,1 @@
+"""What the notebooks show: figures (`plots`) and environment tables, parity figures and metrics (`report`)."""
