@@ -8,7 +8,9 @@
 # 1. installs the cookbook into that Python without replacing its torch or its Megatron-Core (0.16.1 to 0.19.x;
 #    a constraint pins the installed versions; pip refuses rather than swap them) and prints the versions it runs on;
 # 2. runs `pytest -m gpu` (tests/test_gpu.py); the figures go to OUT/gpu_results.json, pass/fail to
-#    OUT/gpu_junit.xml; then the training and generation benchmarks on the GPU (OUT/benchmark_*.txt);
+#    OUT/gpu_junit.xml; with Transformer Engine installed, again on Megatron-Core's local layers
+#    (PAI_COOKBOOK_LAYERS=local: what a GPU without TE builds; OUT/gpu_results_local.json, OUT/gpu_junit_local.xml);
+#    then the training and generation benchmarks on the GPU (OUT/benchmark_*.txt);
 # 3. executes the notebooks on the GPUs: 03 in bf16, data parallel over every GPU; 04 in bf16 around the FP8
 #    GEMMs (Transformer Engine on compute capability 8.9+, else emulated) on one GPU; 06 and 08 (one process)
 #    as they are; the others with their own 2-way layouts (TP/PP/EP 2) when there are 2 GPUs or more. NCCL
@@ -63,6 +65,12 @@ fi
 status=0
 PAI_COOKBOOK_GPU_RESULTS="$(cd "$out" && pwd)/gpu_results.json" \
   "$PYTHON" -m pytest tests -m gpu -q -rs --timeout 1200 --junitxml "$out/gpu_junit.xml" || status=$?
+te=$("$PYTHON" -c 'import importlib.util; print(int(importlib.util.find_spec("transformer_engine") is not None))')
+if [ "$te" -eq 1 ]; then
+  # the local path on this GPU too (its fused kernels off, FP8 emulated): what a GPU without Transformer Engine runs
+  PAI_COOKBOOK_LAYERS=local PAI_COOKBOOK_GPU_RESULTS="$(cd "$out" && pwd)/gpu_results_local.json" \
+    "$PYTHON" -m pytest tests -m gpu -q -rs --timeout 1200 --junitxml "$out/gpu_junit_local.xml" || status=$?
+fi
 
 # The benchmarks' GPU mode: Llama-3.2-1B's shape in bf16, the cookbook against transformers eager and compiled
 # (ratios on each output's last line)

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import shutil
 import sys
@@ -41,6 +42,7 @@ from pai_cookbook.core.configs.config import (
 from pai_cookbook.core.launching import cli, inputs, lock, nodes
 from pai_cookbook.core.launching import launch as launcher
 from pai_cookbook.core.launching.failures import WorkerError
+from pai_cookbook.core.launching.job import decided
 from pai_cookbook.core.launching.jobs import Sweep
 from pai_cookbook.core.machine import runtime
 
@@ -70,21 +72,21 @@ def preflight(config: RunConfig, world_size: int) -> None:
     for unfinished in Path(ckpt.save_dir).glob(f"{checkpoint.ITER_PREFIX}*{checkpoint.PARTIAL_SUFFIX}"):
         shutil.rmtree(unfinished)  # a killed save's leftovers: never loadable, and they hold disk
     set_aside = damage.set_damaged_aside(ckpt.save_dir) if ckpt.resume else []
-    latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:]
+    latest = checkpoint.resume_point(ckpt)
     for line in set_aside:
-        print(f"train: {line}; " + (f"resuming from {latest[0].name}." if latest else
+        print(f"train: {line}; " + (f"resuming from {latest.name}." if latest else
                                     "no complete checkpoint is left, so the run starts from its beginning."))
     if set_aside and not latest:
         return  # save_dir holds only what was set aside: the run starts over beside it
-    if latest and ckpt.resume:
-        saved, wanted = checkpoint.saved_layout(latest[0]) or {}, layout.record(config.parallel, world_size)
+    if latest is not None:
+        saved, wanted = checkpoint.saved_layout(latest) or {}, layout.record(config.parallel, world_size)
         if not layout.same_layout(saved, wanted):
-            raise ConfigError(f"cannot resume {latest[0]}: it was saved at {saved}, this run is {wanted}. Resume "
+            raise ConfigError(f"cannot resume {latest}: it was saved at {saved}, this run is {wanted}. Resume "
                               f"at the saved layout, or start a new run from it with checkpoint.load_dir (weights "
                               f"only; Megatron-Core reshards them) and another save_dir.")
-        changed = resume_changes(config, latest[0])
+        changed = resume_changes(config, latest)
         if changed:
-            print(f"train: resuming {latest[0]} with {', '.join(changed)}; the steps left follow the new values (the "
+            print(f"train: resuming {latest} with {', '.join(changed)}; the steps left follow the new values (the "
                   f"learning-rate schedule is recomputed for them).")
         return
     if ckpt.overwrite:  # asked for by name: resume=False and overwrite=True
@@ -164,7 +166,9 @@ def launch_training(job, runs: list[RunConfig], check: Callable[[int, Any], None
 
     Returns rank 0's result."""
     world = runtime.detect_launch_env().world_size(nproc_per_node)
-    check(world, runtime.detect_device())
+    # the device as the launcher will decide it for this job (its layers narrowed), so both checks see one machine
+    _, device = decided(job, runtime.detect_device({**os.environ, **(launch_kwargs.get("env") or {})}))
+    check(world, device)
     with writing(runs, run_dir):
         if before is not None:
             before()

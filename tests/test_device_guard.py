@@ -2,6 +2,7 @@
 
 import contextlib
 import inspect
+import typing
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from pai_cookbook.core.machine import device_guard
 from pai_cookbook.core.machine.device_guard import ACCELERATOR, DeviceGuard, DeviceMismatch
 
 THIS_FILE = "tests/test_device_guard.py"
+guard_free_long = torch.LongTensor
 
 
 def _line() -> int:
@@ -100,7 +102,57 @@ def test_indexing_a_device_tensor_with_a_host_index_passes_but_not_the_reverse(m
         assert guard.tags[picked] == device_guard.DEVICE
         with pytest.raises(DeviceMismatch):
             torch.ones(2, 2)[torch.tensor([0], device=ACCELERATOR)]
-        model.weight.data[torch.tensor([0])] = torch.zeros(2)  # __setitem__ is allowed
+        model.weight.data[torch.tensor([0])] = torch.zeros(2, device=ACCELERATOR)  # a host index: index_put_ takes it
+        model.weight.data[0] = torch.zeros(2)  # a basic index: a copy, legal across devices
+
+
+def test_assignment_with_a_tensor_index_needs_values_on_the_tensors_device(model):
+    """`x[index] = v` with a tensor index is index_put_, which CUDA refuses for host values (other than a scalar) on a
+    device tensor, device values on a host one, and a device index into a host tensor; `__setitem__` went unchecked."""
+    with DeviceGuard() as guard:
+        guard.place(model)
+        weight = model.weight.data
+        values, line = torch.zeros(2), _line()
+        with pytest.raises(DeviceMismatch, match=rf"__setitem__ \(index_put_\).*made at {THIS_FILE}:{line}"):
+            weight[torch.tensor([0])] = values
+        with pytest.raises(DeviceMismatch):
+            weight[weight > 0] = torch.zeros(int((weight > 0).sum()))
+        with pytest.raises(DeviceMismatch):
+            torch.zeros(3)[torch.tensor([0])] = torch.ones(1, device=ACCELERATOR)
+        with pytest.raises(DeviceMismatch, match="indexes by a device tensor"):
+            torch.zeros(3)[torch.tensor([0], device=ACCELERATOR)] = 1.0
+        weight[torch.tensor([1])] = torch.tensor(0.5)  # a 0-dim host value is moved, as CUDA moves it
+        weight[weight > 0] = 0.0
+
+
+def test_a_host_scalar_inside_stack_or_cat_raises(model):
+    """CUDA takes a host scalar as an operand (`2 * x`), not as a member of the tensor list of `stack` or `cat`."""
+    with DeviceGuard() as guard:
+        guard.place(model)
+        total = model.weight.sum()
+        for join in (torch.stack, torch.cat):
+            members = [total.reshape(1), torch.tensor([1.0])] if join is torch.cat else [total, torch.tensor(1.0)]
+            with pytest.raises(DeviceMismatch):
+                join(members)
+        with pytest.raises(DeviceMismatch):
+            torch.stack([total, torch.tensor(0.0)])
+        assert guard.tags[torch.stack([total, torch.tensor(0.0, device=total.device)])] == device_guard.DEVICE
+        assert guard.tags[total * torch.tensor(2.0)] == device_guard.DEVICE  # the operand exception stays
+
+
+def test_the_legacy_constructors_make_host_tensors(model):
+    """`torch.LongTensor([...])` makes a host tensor on a GPU machine as well: mixed with the model's output it raises
+    there, and now here; `isinstance` against the legacy types still answers as before."""
+    with DeviceGuard() as guard:
+        guard.place(model)
+        ids, line = torch.LongTensor([0, 1]), _line()
+        assert guard.tags[ids] == device_guard.HOST and isinstance(ids, torch.LongTensor)
+        assert not isinstance(torch.zeros(2), torch.LongTensor)
+        assert torch.LongTensor | None == typing.Optional[guard_free_long]  # annotations evaluated while active
+        with pytest.raises(DeviceMismatch, match=f"made at {THIS_FILE}:{line}"):
+            model.weight[0] + ids.float()
+        with pytest.raises(DeviceMismatch):
+            model.weight[0] * torch.FloatTensor([1.0, 2.0])
 
 
 def test_shaped_like_a_device_tensor_a_host_tensor_stays_host(model):
@@ -217,7 +269,8 @@ def test_collectives_refuse_host_tensors(world_of_one, model):
 def _patched_attributes() -> dict:
     names = device_guard._TENSOR_COLLECTIVES + device_guard._OBJECT_COLLECTIVES
     owners = [(torch.distributed, names), (torch.distributed.distributed_c10d, names),
-              (torch, device_guard._UNSEEN_FACTORIES), (torch.nn.Module, ("cuda", "to")), (torch.Tensor, ("cuda",))]
+              (torch, device_guard._UNSEEN_FACTORIES + device_guard._LEGACY_CONSTRUCTORS),
+              (torch.nn.Module, ("cuda", "to")), (torch.Tensor, ("cuda",))]
     return {(owner.__name__, name): vars(owner).get(name) for owner, names in owners for name in names}
 
 

@@ -92,13 +92,12 @@ def pair_critic(job: RLJob) -> None:
 def _check_resumed_reward(job: RLJob) -> None:
     """A resume keeps the reward it was trained with: another one is another run (a finished run asked again with
     another reward would otherwise return at once, with the old checkpoint)."""
-    ckpt = job.run.checkpoint
-    latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
-    saved = checkpoint.read_state(latest[0]).get("reward") if latest else None
+    latest = checkpoint.resume_point(job.run.checkpoint)
+    saved = checkpoint.read_state(latest).get("reward") if latest is not None else None
     if saved is not None and saved != job.reward:
-        raise ConfigError(f"cannot resume {latest[0]}: it was trained with the reward {saved!r}, this run asks "
+        raise ConfigError(f"cannot resume {latest}: it was trained with the reward {saved!r}, this run asks "
                           f"{job.reward!r}. A resume continues the same run; give another save_dir (the new run can "
-                          f"start from {latest[0]} as its policy), or overwrite=True to replace this one.")
+                          f"start from {latest} as its policy), or overwrite=True to replace this one.")
 
 
 def history(run_dir: str | Path) -> dict[str, list[Any]]:

@@ -146,15 +146,15 @@ def restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | 
     """Resume from save_dir's latest checkpoint, or start from load_dir's weights; returns (step, source)."""
     ckpt = config.checkpoint
     modules = [m.module for m in model]
-    latest = checkpoint.finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
-    if latest:
-        step = checkpoint.load_training(modules, optimizer, scheduler, latest[0])
+    latest = checkpoint.resume_point(ckpt)
+    if latest is not None:
+        step = checkpoint.load_training(modules, optimizer, scheduler, latest)
         if getattr(optimizer, "cookbook_fused_cpu_adam", False):  # cpu.adam.FUSED_MARK: the saved groups are unfused
             from pai_cookbook.cpu import adam
 
             adam.fuse_adam(optimizer)
         follow_the_run_asked_for(config, optimizer, scheduler)
-        return step, str(latest[0])
+        return step, str(latest)
     if ckpt.load_dir:
         checkpoint.load(modules, ckpt.load_dir)
         optimizer.reload_model_params()  # bf16: refresh the fp32 master copies from the loaded weights

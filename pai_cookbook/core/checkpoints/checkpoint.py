@@ -242,6 +242,14 @@ def iteration_dir(save_dir: str | Path, step: int) -> Path:
     return Path(save_dir) / f"{ITER_PREFIX}{step:07d}"
 
 
+def resume_point(ckpt: Any) -> Path | None:
+    """The checkpoint a run resumes from, the one rule every trainer follows: the latest finished one in its save_dir
+    when it resumes (`CheckpointConfig.resume`, the default); None where it starts from load_dir's weights or from
+    scratch. What is damaged is set aside before this is asked (`damage.set_damaged_aside`, the launch's preflight)."""
+    latest = finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
+    return latest[0] if latest else None
+
+
 def finished_iterations(save_dir: str | Path) -> list[Path]:
     """Complete training checkpoints in save_dir, oldest first (.partial folders are never listed)."""
     folder = Path(save_dir)

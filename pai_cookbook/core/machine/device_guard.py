@@ -10,14 +10,17 @@ Rules, after CUDA's behaviour:
 0. The emulated accelerator is `ACCELERATOR`, `torch.device("cpu", 0)`: the CPU under another name. A device
    tensor's `.device` is it, a host tensor's is `cpu`, and `torch.cuda.current_device()` returns it, so shared
    code that writes `device=x.device` or `device=torch.cuda.current_device()` lands where it would on a GPU.
-1. Factories (torch.tensor, zeros, arange, rand, ..., from_numpy, range) without `device=`, or with the plain
-   CPU, make host tensors; with `ACCELERATOR` (or any CUDA device) device tensors.
+1. Factories (torch.tensor, zeros, arange, rand, ..., from_numpy, range, and the legacy constructors
+   `torch.LongTensor(...)` and kin) without `device=`, or with the plain CPU, make host tensors; with `ACCELERATOR`
+   (or any CUDA device) device tensors.
    `torch.*_like(x)` and `x.new_*()` follow x's tag unless a device is given.
 2. Any other op given both a host and a device tensor raises, except: host tensors of 0 dimensions
-   (CUDA takes CPU scalars), `copy_` and `__setitem__` (cross-device copies are legal), `view_as`, `reshape_as` and
-   `expand_as` (the other tensor gives its shape only; the output lives where the first does), and host
-   tensors only in the index of `__getitem__`. Untagged tensors (made before entering, or where the
-   guard cannot see) are wildcards.
+   (CUDA takes CPU scalars as operands, but not inside the tensor list of `stack`, `cat` and kin), `copy_`
+   (cross-device copies are legal), `view_as`, `reshape_as` and `expand_as` (the other tensor gives its shape only;
+   the output lives where the first does), and host tensors only in the index of `__getitem__`. `__setitem__` is a
+   copy with a basic index (ints, slices: legal across devices) and `index_put_` with a tensor index: then the
+   values must live where the indexed tensor does (0-dimensional ones excepted), and a device index cannot index a
+   host tensor. Untagged tensors (made before entering, or where the guard cannot see) are wildcards.
 3. Outputs are device if any input is device, else host if any input is host; an output that is one of
    the inputs (in-place ops, `out=`) keeps its own tag.
 4. `x.cuda()` / `x.to(ACCELERATOR)` return a device-tagged alias (x keeps its tag), `x.to("cpu")` and
@@ -30,8 +33,9 @@ Rules, after CUDA's behaviour:
    else the first frame outside torch), carried from a tensor to what is derived from it.
 
 What it cannot see: ops run by autograd's backward and ops inside C++ (their outputs stay untagged),
-tensors made by functions imported by name before entering (`from torch import from_numpy`), and
-collectives called through names bound before entering. The guard is not reentrant.
+tensors made by functions imported by name before entering (`from torch import from_numpy`), `torch.Tensor(...)`
+called as a constructor (the class itself cannot be replaced), and collectives called through names bound before
+entering. The guard is not reentrant.
 """
 
 from __future__ import annotations
@@ -57,9 +61,15 @@ _FACTORIES = frozenset({"tensor", "as_tensor", "zeros", "ones", "empty", "full",
                         "rand", "randn", "randint", "randperm", "empty_strided", "tril_indices", "triu_indices"})
 # Factories that bypass torch function modes: patched on the torch module while the guard is active.
 _UNSEEN_FACTORIES = ("from_numpy", "range")
+# The legacy typed constructors (`torch.LongTensor([1, 2])`: a host tensor on every machine), likewise patched.
+_LEGACY_CONSTRUCTORS = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
+                        "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")
+# Ops whose tensor list must live on one device, 0-dimensional members included (no CPU-scalar exception).
+_TENSOR_LISTS = frozenset({"stack", "cat", "concat", "concatenate", "hstack", "vstack", "dstack", "column_stack",
+                           "row_stack"})
 _MOVES = frozenset({"to", "cpu", "cuda"})
 _TO_NUMPY = frozenset({"numpy", "__array__"})
-_UNCHECKED = frozenset({"copy_", "__setitem__"})
+_UNCHECKED = frozenset({"copy_"})
 # Ops that read their other tensor's shape only (`x.view_as(y)` is `x.view(y.size())`): legal across devices, and
 # their output lives where `x` does.
 _SHAPE_OF_OTHER = frozenset({"view_as", "reshape_as", "expand_as"})
@@ -199,6 +209,8 @@ class DeviceGuard(TorchFunctionMode):
         self._patch(torch.cuda, "current_device", lambda: ACCELERATOR)
         for name in _UNSEEN_FACTORIES:
             self._patch(torch, name, self._host_factory(getattr(torch, name)))
+        for name in _LEGACY_CONSTRUCTORS:
+            self._patch(torch, name, _LegacyConstructor(getattr(torch, name), self))
         if torch.distributed.is_available():
             c10d = torch.distributed.distributed_c10d
             for names, wrap in ((_TENSOR_COLLECTIVES, self._checked), (_OBJECT_COLLECTIVES, self._unchecked)):
@@ -268,11 +280,14 @@ class DeviceGuard(TorchFunctionMode):
         if name in _SHAPE_OF_OTHER:
             tensors = tensors[:1]
         tags = [self.tags.get(tensor) for tensor in tensors]
-        if DEVICE in tags and name not in _UNCHECKED:
+        if name == "__setitem__":
+            self._check_setitem(*args[:3])
+        elif DEVICE in tags and name not in _UNCHECKED:
             # __getitem__: a host index into a device tensor is fine; a host tensor indexed is not.
             suspects = tensors[:1] if name == "__getitem__" else tensors
+            scalars_pass = name not in _TENSOR_LISTS
             for tensor, tag in zip(suspects, tags):
-                if tag == HOST and tensor.dim() > 0:
+                if tag == HOST and (tensor.dim() > 0 or not scalars_pass):
                     raise DeviceMismatch(self._message(name, tensor, "mixes the model's device (cuda:0 on a GPU) with"))
         result = func(*args, **kwargs)
         if kwargs.get("device") is not None:
@@ -291,6 +306,20 @@ class DeviceGuard(TorchFunctionMode):
             if id(out) not in inputs:
                 self._tag(out, tag, site)
         return result
+
+    def _check_setitem(self, target: torch.Tensor, index: Any, value: Any) -> None:
+        """`target[index] = value`: with a tensor index it is `index_put_`, whose values must live where `target` does
+        (a 0-dimensional one is moved) and whose index may be host or `target`'s device; with a basic index, a copy."""
+        indices = [t for t in _tensors(index) if t.dim() > 0]  # a 0-dim integer index selects, as an int does
+        where = self.tags.get(target)
+        if not indices or where is None:
+            return
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and self.tags.get(value) not in (None, where):
+            raise DeviceMismatch(self._message("__setitem__ (index_put_)", value if where == DEVICE else target,
+                                               "with a tensor index mixes the model's device (cuda:0 on a GPU) with"))
+        if where == HOST and any(self.tags.get(t) == DEVICE for t in indices):
+            raise DeviceMismatch(self._message("__setitem__ (index_put_)", target, "indexes by a device tensor (indices "
+                                               "must be on the CPU or on the indexed tensor's device)"))
 
     def _move(self, name: str, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """`.to` / `.cpu` / `.cuda`: a tensor with the target's tag, an alias where the values stay put."""
@@ -326,6 +355,31 @@ class DeviceGuard(TorchFunctionMode):
         made = f"made at {site}" if site else "made where the guard could not see"
         return (f"Expected all tensors to be on the same device: {op} {what} a host tensor of shape "
                 f"{tuple(host.shape)} {made} (cpu on a GPU): make it on the model's device (device=x.device)")
+
+
+class _LegacyConstructor:
+    """`torch.LongTensor` and kin while a guard is active: what they make is a host tensor, tagged with where it was
+    made; `isinstance(x, torch.LongTensor)` still asks the real type."""
+
+    def __init__(self, legacy: Any, guard: DeviceGuard) -> None:
+        self.legacy, self.guard = legacy, guard
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        result = self.legacy(*args, **kwargs)
+        self.guard._tag(result, HOST, _creation_site())
+        return result
+
+    def __instancecheck__(self, instance: Any) -> bool:
+        return isinstance(instance, self.legacy)
+
+    def __or__(self, other: Any) -> Any:  # `torch.LongTensor | None` in an annotation evaluated at runtime
+        return self.legacy | other
+
+    def __ror__(self, other: Any) -> Any:
+        return other | self.legacy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.legacy, name)
 
 
 _active: DeviceGuard | None = None
