@@ -148,7 +148,7 @@ def test_the_legacy_constructors_make_host_tensors(model):
         ids, line = torch.LongTensor([0, 1]), _line()
         assert guard.tags[ids] == device_guard.HOST and isinstance(ids, torch.LongTensor)
         assert not isinstance(torch.zeros(2), torch.LongTensor)
-        assert torch.LongTensor | None == typing.Optional[guard_free_long]  # annotations evaluated while active
+        assert torch.LongTensor | None == typing.Union[guard_free_long, None]  # noqa: UP007 (an annotation evaluated while active)
         with pytest.raises(DeviceMismatch, match=f"made at {THIS_FILE}:{line}"):
             model.weight[0] + ids.float()
         with pytest.raises(DeviceMismatch):
