@@ -32,7 +32,7 @@ from pai_cookbook.core.checkpoints import checkpoint, damage
 from pai_cookbook.core.checkpoints.checkpoint import load_tokenizer
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
-from pai_cookbook.core.configs.generation import CHAT_TEMPLATE_MODES, DTYPES, GenerationConfig
+from pai_cookbook.core.configs.generation import CHAT_TEMPLATE_MODES, DTYPES, GenerationConfig, kv_cache_bytes
 from pai_cookbook.core.launching import cli, inputs
 from pai_cookbook.core.launching.jobs import GenerationBatch, GenerationJob
 from pai_cookbook.core.machine import runtime
@@ -41,7 +41,7 @@ from pai_cookbook.data import read_prompts
 
 __all__ = ["CHAT_TEMPLATE_MODES", "DTYPES", "GenerationBatch", "GenerationConfig", "GenerationJob", "NotSaved",
            "check_fits", "check_output_file", "completion_records", "completions_markdown", "context_limit", "generate",
-           "generate_file", "main", "prepare", "resolve_checkpoint", "run_jobs"]
+           "generate_file", "kv_cache_bytes", "main", "prepare", "resolve_checkpoint", "run_jobs"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,6 +116,8 @@ def run_jobs(jobs: Sequence[GenerationJob], *, run_dir: str | Path = "runs/gener
         One dict per job: "tokens" (generated ids per prompt), "finish" ("eos", "stop" or "length"),
         "tokens_per_s", "seconds", "forward_seconds" (of them, in the model's forward steps), "packing_seconds"
         (before them: the weights packed for oneDNN on a CPU, cpu.linear.packed_for_decoding), "ranks_agree",
+        "kv_cache_bytes" (the KV cache the static engine allocated, on the rank that held the most: `kv_cache_bytes`
+        predicts it),
         "forward_lengths" (tokens per forward step, per batch), "layers" (what computed it:
         `core.machine.build.record`), "engine" (which inference engine and path ran, and Megatron-Core's release:
         `workers.engine.engine_record`).
@@ -189,8 +191,9 @@ def generate(ckpt: str | Path, prompts: Sequence[str | dict[str, Any]], config: 
         config: decoding settings; default greedy.
     Returns:
         {"records": one dict per prompt (prompt fields, completion, prompt_tokens, completion_tokens,
-        finish_reason), "tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree", "layers" and
-        "engine" (what computed them: `run_jobs`)}.
+        finish_reason), "tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree", "kv_cache_bytes",
+        "max_sequence" (the longest prompt plus max_new_tokens: what the cache holds per sequence), "layers" and "engine"
+        (what computed them: `run_jobs`)}.
     Raises:
         ConfigError / ValueError / FileNotFoundError: before any worker starts (see `prepare`).
     """
@@ -202,7 +205,8 @@ def generate(ckpt: str | Path, prompts: Sequence[str | dict[str, Any]], config: 
     job = prepare(ckpt, records, config, parallel)
     (out,) = run_jobs([job], run_dir=run_dir, nproc_per_node=nproc_per_node, show_progress=show_progress)
     return {"records": completion_records(job.ckpt, records, job, out)} | {
-        k: out[k] for k in ("tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree", "layers", "engine")}
+        k: out[k] for k in ("tokens_per_s", "seconds", "generated_tokens", "layout", "ranks_agree", "kv_cache_bytes",
+                            "layers", "engine")} | {"max_sequence": job.max_sequence}
 
 
 class NotSaved(OSError):

@@ -54,6 +54,29 @@ def load_balance(history: list[dict[str, Any]], skip: int) -> torch.Tensor:
     return loads.mean(dim=0) * loads.shape[-1]
 
 
+def settled(history: list[dict[str, Any]], low: float = 0.5, high: float = 2.0) -> dict[str, Any]:
+    """When the router settles: the first step from which every expert's per-step share, in units of the fair share,
+    stays within [`low`, `high`] in every MoE layer to the end of the run, and the extremes of the steps before and
+    after it. What a heat map of `expert_load` shows column by column, as figures.
+
+    Returns {"step": the 1-based step it settles at (None if the last step is still outside), "before": (least, most)
+    over the steps before it, "after": (least, most) from it on}."""
+    if any("expert_load" not in h for h in history):
+        raise ValueError("the history has no 'expert_load' per step: pass train.run(...)['router'] of an MoE run.")
+    loads = torch.tensor([h["expert_load"] for h in history], dtype=torch.float64)
+    loads = loads * loads.shape[-1]  # units of the fair share: [steps, layers, experts]
+    inside = ((loads >= low) & (loads <= high)).flatten(1).all(1).tolist()
+    first = len(inside)
+    while first > 0 and inside[first - 1]:
+        first -= 1
+    step = first + 1 if first < len(inside) else None
+
+    def extremes(part: torch.Tensor) -> tuple[float, float] | None:
+        return (float(part.min()), float(part.max())) if part.numel() else None
+
+    return {"step": step, "before": extremes(loads[:first]), "after": extremes(loads[first:])}
+
+
 def layout_parity(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """How closely two `train.run` results of one MoE training at two layouts agree.
 

@@ -247,7 +247,8 @@ def history(run_dir: str | Path) -> dict[str, Any]:
     records = logged_steps(run_dir)
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
             "grad_norms": [r.get("grad_norm") for r in records],
-            "valid_losses": [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r],
+            "valid_losses": [(0, r["valid_loss_at_start"]) for r in records[:1] if "valid_loss_at_start" in r]
+                            + [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r],
             "tokens_per_s": [r["tokens_per_s"] for r in records], "mfu": [r["mfu"] for r in records],
             "mfu_of_measured_peak": [r.get("mfu_of_measured_peak") for r in records]} | (
         {"fp8": [r["fp8"] for r in records]} if records and "fp8" in records[0] else {})

@@ -88,6 +88,26 @@ def test_every_result_records_the_engine_and_path_that_ran(first_launch):
 
 
 @pytest.mark.multiproc
+def test_the_kv_cache_allocated_is_the_one_predicted(checkpoints, first_launch):
+    """`generate.kv_cache_bytes` (what notebook 07 prints for a model and a batch) is what Megatron-Core's static
+    engine allocates on the most loaded rank, to the byte: every family (multi-latent attention included) at TP1 and
+    TP2, and a pipeline stage at PP2."""
+    import torch
+
+    from pai_cookbook.core.checkpoints import checkpoint
+
+    labels = [f"{family} {tp}" for family in checkpoints for tp in ("tp1", "tp2")] + ["llama pp2"]
+    for label in labels:
+        job, result = first_launch[label]
+        model, dtype = checkpoint.read_config(job.ckpt)
+        width = torch.empty(0, dtype=dtype).element_size()
+        predicted = generate.kv_cache_bytes(model, job.config.batch_size, job.max_sequence, width,
+                                            job.parallel.tensor_model_parallel_size,
+                                            job.parallel.pipeline_model_parallel_size)
+        assert result["kv_cache_bytes"] == predicted > 0, (label, result["kv_cache_bytes"], predicted)
+
+
+@pytest.mark.multiproc
 def test_pipeline_parallel_generation_equals_one_process(checkpoints, first_launch):
     # The last stage's logits are broadcast to every stage, which samples with the same generator.
     assert first_launch["llama pp2"][1]["tokens"] == first_launch["llama tp1"][1]["tokens"]

@@ -63,3 +63,30 @@ def test_ci_overrides_name_parameters_the_notebook_has():
         defaults = {t.id: ast.literal_eval(node.value) for node in ast.parse(cell.source).body for t in node.targets}
         assert set(overrides) <= set(defaults), f"{stem}: {sorted(set(overrides) - set(defaults))} are not parameters"
         assert defaults["REAL_MODEL"] is True and overrides["REAL_MODEL"] is False, stem
+
+
+POINTER = re.compile(r"(docs/[\w.-]+\.md|README(?:\.md|'s table)?)\s+has\s+(?:the|its)\s+(\w+)")
+SPEED_VERDICT = re.compile(r"\b(?:is|are|was|were|ran|runs)\s+(?:\w+\s+){0,2}(?:slower|faster)\s+than\b", re.I)
+
+
+def test_a_pointer_names_the_file_that_holds_what_it_promises(notebook):
+    """"docs/notebook-figures.md has the minutes": the file named holds a table with that column. (The notebooks once
+    sent readers to the README's table for minutes it did not have.)"""
+    path, nb = notebook
+    root = path.parents[1]
+    for cell in nb.cells:  # markdown, and the comments of code cells (the parameters' notes)
+        for target, word in POINTER.findall(cell.source):
+            file = root / ("README.md" if target.startswith("README") else target)
+            headers = [line for line in file.read_text(encoding="utf-8").splitlines()
+                       if line.startswith("|") and not set(line) <= set("|-: ")]
+            assert any(re.search(rf"\|\s*{word}\s*\|", line, re.I) for line in headers), \
+                f"{path.name}: says {target} has the {word}, but no table there has a {word!r} column"
+
+
+def test_no_speed_verdict_in_prose(notebook):
+    """Which run was faster is a measurement of this run on this machine (on a shared CPU, load swings a step's
+    tokens/s tenfold): a cell prints it from the runs' medians (`report.speed_comparison`), the prose does not fix it.
+    (Notebook 00 said tensor parallelism was slower while its run printed it three times faster.)"""
+    path, nb = notebook
+    said = [m.group() for cell in nb.cells if cell.cell_type == "markdown" for m in SPEED_VERDICT.finditer(cell.source)]
+    assert not said, f"{path.name}: {said}"

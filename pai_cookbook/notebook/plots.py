@@ -126,14 +126,21 @@ def expert_load(runs: Mapping[str, Sequence[dict]], layer: int = 0, path: str | 
 
 
 def throughput(speeds: Mapping[str, float], path: str | Path | None = None, ylabel: str = "generated tokens/s",
-               title: str = "Throughput"):
-    """One bar per engine or layout (e.g. {"Megatron-Core TP=2": 169.0, "Hugging Face": 221.0})."""
+               title: str = "Throughput", spread: Mapping[str, Sequence[float]] | None = None):
+    """One bar per setting, engine or layout (e.g. {"greedy, batch 1": 31.0, "greedy, batch 4": 96.0}); with `spread`
+    (name -> every run's figure), a line over each bar from the lowest run to the highest."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar(list(speeds), list(speeds.values()), color=["tab:green", "tab:blue", "tab:orange", "tab:red"][:len(speeds)])
+    fig, ax = plt.subplots(figsize=(1.9 * len(speeds) + 1.5, 3.4), layout="constrained")
+    names = list(speeds)
+    bars = ax.bar(names, [speeds[n] for n in names], color=["tab:green", "tab:blue", "tab:orange", "tab:red"][:len(names)])
+    if spread:
+        for x, name in enumerate(names):
+            ax.vlines(x, min(spread[name]), max(spread[name]), color="black", linewidth=1.5)
+    ax.bar_label(bars, fmt="%.0f", fontsize=8, padding=2)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
     return _finish(fig, path)
 
 
@@ -226,9 +233,10 @@ def fp8_scaling(histories: Mapping[str, Sequence[Mapping]], linear: str, path: s
     """amax (top) and scale (bottom) of one linear's three operands (input, weight, output gradient) over
     the steps, one line per run; log scale. histories: name -> a result's "fp8" list."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     roles = ("input", "weight", "grad")
-    fig, axes = plt.subplots(2, 3, figsize=(9.6, 5.2), sharex=True)
+    fig, axes = plt.subplots(2, 3, figsize=(10.4, 5.6), sharex=True, layout="constrained")
     for i, (name, history) in enumerate(histories.items()):
         for j, role in enumerate(roles):
             for row, figure in enumerate(("amax", "scale")):
@@ -241,6 +249,8 @@ def fp8_scaling(histories: Mapping[str, Sequence[Mapping]], linear: str, path: s
     axes[1, 0].set_ylabel("scale")
     for ax in axes.flat:
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))  # a few steps' labels, none touching
+        ax.tick_params(axis="both", labelsize=8)
         ax.grid(alpha=0.3)
     axes[0, 2].legend(fontsize=8)
     fig.suptitle(title or f"Scaling of {linear}")

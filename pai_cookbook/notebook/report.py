@@ -37,6 +37,38 @@ def compare_curves(reference: Sequence[float], other: Sequence[float]) -> dict[s
     return {"max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs), "steps": len(diffs)}
 
 
+def speed_comparison(runs: Mapping[str, Sequence[float]], skip: int = 2) -> dict[str, Any]:
+    """Which of two runs was faster, from their per-step tokens/s (`train.history(run_dir)["tokens_per_s"]`): each
+    run's median after its first `skip` steps (start-up: first calls, caches) and its middle half (the quartiles). A
+    verdict only where the middle halves do not overlap; on a shared machine, load moves single steps by several times,
+    and a mean of them says more about the load than about the layout.
+
+    Returns {"runs": {name: {"median", "low", "high"}}, "ratio" (second median / first), "verdict" (the faster name,
+    or None), "sentence"}."""
+    import statistics
+
+    if len(runs) != 2:
+        raise ValueError(f"speed_comparison compares two runs; got {len(runs)} ({sorted(runs)}).")
+    figures = {}
+    for name, rates in runs.items():
+        kept = list(rates)[skip:]
+        if len(kept) < 4:
+            raise ValueError(f"{name}: {len(kept)} steps after the first {skip}; a median and quartiles need 4 or more.")
+        low, _, high = statistics.quantiles(kept, n=4)
+        figures[name] = {"median": statistics.median(kept), "low": low, "high": high}
+    (a, fa), (b, fb) = figures.items()
+    ratio = fb["median"] / fa["median"]
+    apart = fa["high"] < fb["low"] or fb["high"] < fa["low"]
+    verdict = (b if ratio > 1 else a) if apart else None
+    shown = "; ".join(f"{n}: median {f['median']:,.0f} tokens/s (middle half {f['low']:,.0f} to {f['high']:,.0f})"
+                      for n, f in figures.items())
+    said = (f"{verdict} was faster in this run: the two middle halves do not overlap" if verdict else
+            "the two middle halves overlap, so this run does not say which layout is faster here: the difference is "
+            "within what the machine's load moves a step")
+    return {"runs": figures, "ratio": ratio, "verdict": verdict,
+            "sentence": f"{shown}. {b} ran at {ratio:.2f}x {a}'s median rate; {said}."}
+
+
 def parity_markdown(rows: list[dict[str, Any]]) -> str:
     """`parity.check` results as a Markdown table, one layout per row (its data-parallel size: the launch's processes
     over TP x PP, since every layout runs in one launch of the smallest world that holds them all)."""
@@ -65,14 +97,28 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]
 
 
 def save_metrics(output_dir: str | Path, metrics: dict[str, Any]) -> Path:
-    """Write the notebook's headline figures to output_dir/metrics.json (NaN/inf refused)."""
+    """Write the notebook's headline figures to output_dir/metrics.json (NaN/inf refused), with the minutes this
+    kernel has run (`kernel_minutes`), and print where they went and those minutes: every notebook ends here, so each
+    says what it took (a fresh kernel, as in a batch job, ran the notebook alone; a kernel that ran cells before
+    counts them too)."""
     bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
     if bad:
         raise ValueError(f"metrics {bad} are not finite; a notebook must not record NaN/inf as a result")
+    minutes = kernel_minutes()
     path = Path(output_dir) / METRICS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(metrics, indent=2))
+    path.write_text(json.dumps(metrics | {"kernel_minutes": minutes}, indent=2))
+    print(f"{len(metrics)} figures written to {path}; this kernel has run {minutes:.1f} minutes")
     return path
+
+
+def kernel_minutes() -> float:
+    """Minutes since this process started (the notebook's kernel), by the operating system's record of it."""
+    import time
+
+    import psutil
+
+    return (time.time() - psutil.Process().create_time()) / 60
 
 
 def load_metrics(output_dir: str | Path) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pai_cookbook.core.configs.config import ModelConfig, ParallelConfig, RunConfig
-from pai_cookbook.plan import memory, states
+from pai_cookbook.plan import memory, search, states
 from pai_cookbook.plan.hardware import GIB
 from pai_cookbook.plan.layouts import Layout, Workload
 from pai_cookbook.plan.search import Option
@@ -82,10 +82,10 @@ def memory_bars(options: Sequence[Option], memory_gib: float, path: str | Path |
     return fig
 
 
-def why(options: Sequence[Option], memory_gib: float, close: int = 5) -> list[str]:
+def why(options: Sequence[Option], memory_gib: float) -> list[str]:
     """Sentences, computed from the ranked `options`, saying why the first one wins: the term that dominates its step,
-    what the runner-up trades, whether the plainest layout fits, what full recompute costs, how close the first
-    `close` are, and which of them without CP leaves the most memory free."""
+    what the runner-up trades, whether the plainest layout fits, what full recompute costs, which layouts are tied
+    with the fastest (`search.TIED_WITHIN`), and which of them without CP `search.choose` takes: the most memory free."""
     fitting = [o for o in options if o.fits]
     if not fitting:
         least = min(options, key=lambda o: o.memory.total)
@@ -120,14 +120,18 @@ def why(options: Sequence[Option], memory_gib: float, close: int = 5) -> list[st
         lines.append(f"The fastest layout with full recompute, {full.layout.describe()}, needs "
                      f"{full.memory.total / GIB:.1f} GiB per GPU and is {slower:.1%} slower: "
                      f"it frees the activations by running every layer's forward twice.")
-    head = fitting[:close]
-    runnable = [o for o in head if o.layout.cp == 1]  # the trainer has no CP yet (plan.layouts)
-    if len(head) > 1 and runnable:
-        roomy = min(runnable, key=lambda o: o.memory.total)
-        lines.append(f"The first {len(head)} are within {1 - head[-1].time.tokens_per_s / best.time.tokens_per_s:.1%} "
-                     f"of each other's speed, less than the step time's own uncertainty. Of those without CP, "
-                     f"{roomy.layout.describe()} leaves the most memory free: "
-                     f"{memory_gib - roomy.memory.total / GIB:.1f} GiB.")
+    tied = search.tied_with_fastest(list(options))
+    chosen = search.choose(list(options))
+    if len(tied) > 1:
+        lines.append(f"{len(tied)} layouts are within {search.TIED_WITHIN:.0%} of the fastest one's speed (the slowest of "
+                     f"them {1 - tied[-1].time.tokens_per_s / best.time.tokens_per_s:.1%} behind), a difference the step "
+                     f"time cannot rank: a tie.")
+    if chosen is not None:
+        lines.append(f"Of the tied layouts without CP, {chosen.layout.describe()} leaves the most memory free: "
+                     f"{memory_gib - chosen.memory.total / GIB:.1f} GiB of {memory_gib:g} "
+                     f"({chosen.memory.total / GIB:.1f} GiB used), at "
+                     f"{1 - chosen.time.tokens_per_s / best.time.tokens_per_s:.1%} below the fastest's speed; "
+                     f"section 3 takes it.")
     return lines
 
 

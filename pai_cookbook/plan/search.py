@@ -39,6 +39,31 @@ def plan(model: ModelConfig, cluster: Cluster, workload: Workload, overhead_gib:
     return sorted(options, key=lambda o: (not o.fits, -o.time.tokens_per_s if o.fits else o.memory.total))
 
 
+TIED_WITHIN = 0.02
+"""Layouts whose predicted tokens/s are within this fraction of the fastest one's are a tie: the step time reproduced
+its calibrating run within 1%, and adds communication and the pipeline bubble from datasheet link speeds at an assumed
+efficiency, with no overlap (docs/planning.md); differences of about twice that are not ones it can rank."""
+
+
+def choose(options: list[Option], tied_within: float = TIED_WITHIN) -> Option | None:
+    """The layout to run: among the fitting layouts without CP (the trainer has none yet) whose predicted speed is
+    within `tied_within` of the fastest of them, the one with the most memory free (the overhead and the allocator's
+    fragmentation are assumed, not measured: headroom is what absorbs them), the faster on equal memory. None where no
+    layout without CP fits."""
+    runnable = [o for o in options if o.fits and o.layout.cp == 1]
+    if not runnable:
+        return None
+    fastest = max(o.time.tokens_per_s for o in runnable)
+    tied = [o for o in runnable if o.time.tokens_per_s >= fastest * (1 - tied_within)]
+    return min(tied, key=lambda o: (o.memory.total, -o.time.tokens_per_s))
+
+
+def tied_with_fastest(options: list[Option], tied_within: float = TIED_WITHIN) -> list[Option]:
+    """The fitting layouts (CP or not) within `tied_within` of the fastest one's predicted speed, fastest first."""
+    fitting = [o for o in options if o.fits]
+    return [o for o in fitting if o.time.tokens_per_s >= fitting[0].time.tokens_per_s * (1 - tied_within)]
+
+
 MEMORY_COLUMNS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead", "total")
 TIME_COLUMNS = ("compute", "recompute", "tp", "cp", "ep", "pp_bubble", "pp_p2p", "dp", "total")
 

@@ -124,9 +124,12 @@ def mask_html(tokenizer, sample: Sample) -> str:
     return legend + "<p style='line-height:2'>" + "".join(cells) + "</p>"
 
 
-def follows(records: Sequence[dict[str, Any]], pattern: str, answers: Sequence[str] | None = None) -> dict[str, float]:
+def follows(records: Sequence[dict[str, Any]], pattern: str, answers: Sequence[str] | None = None,
+            numbers: Sequence[int | float | str] | None = None) -> dict[str, float]:
     """How generated completions (`generate.generate` records) follow a taught format: the fraction that ended
-    their turn (finish_reason "eos"), that match `pattern` in full, and that equal `answers` (if given)."""
+    their turn (finish_reason "eos"), that match `pattern` in full, that equal `answers` (if given: the format and the
+    right content at once), and (with `numbers`) whose last number is the expected one, whatever the words around it:
+    the arithmetic apart from the format ("50 + 39 = 89." and "The answer is 89." both count)."""
     import re
 
     records = inputs.listed(records, "records", "generated records (generate(...)['records'])")
@@ -137,4 +140,7 @@ def follows(records: Sequence[dict[str, Any]], pattern: str, answers: Sequence[s
            "format": sum(bool(re.fullmatch(pattern, r["completion"].strip())) for r in records) / n}
     if answers is not None:
         out["correct"] = sum(r["completion"].strip() == a for r, a in zip(records, answers)) / n
+    if numbers is not None:
+        last = [(re.findall(r"-?\d+(?:\.\d+)?", r["completion"].replace(",", "")) or [None])[-1] for r in records]
+        out["right_number"] = sum(x is not None and float(x) == float(v) for x, v in zip(last, numbers)) / n
     return out

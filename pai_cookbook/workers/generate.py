@@ -48,6 +48,7 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
     if parallel.expert_model_parallel_size > 1:
         dp_rank, dp_size = 0, 1
     mine: dict[int, tuple[list[int], str]] = {}
+    kv_bytes = 0
     forward_lengths: list[tuple[int, list[int]]] = []
     wrapped.forward_seconds = 0.0
     packing = time.perf_counter()
@@ -64,23 +65,30 @@ def run_job(job: GenerationJob, device: runtime.DeviceInfo) -> dict[str, Any]:
                                   repetition_penalty=config.repetition_penalty,
                                   eos_ids=[] if config.ignore_eos else job.eos_ids, stop=config.stop,
                                   max_new_tokens=config.max_new_tokens)
+            kv_bytes = max(kv_bytes, _kv_cache_bytes(wrapped))
             for row, (i, request) in enumerate(zip(batch, done)):
                 mine[i] = (request.generated_tokens.tolist(), controller.finish[row])
             forward_lengths.append((number, wrapped.forward_lengths))
             if worker.rank() == 0:
                 worker.progress(min((number + 1) * batch_size, len(prompts)), len(prompts))
         seconds = time.perf_counter() - start
-    result = _gather(job, mine, forward_lengths, (seconds, wrapped.forward_seconds, start - packing), parallel)
+    result = _gather(job, mine, forward_lengths, (seconds, wrapped.forward_seconds, start - packing), parallel, kv_bytes)
     return result and result | {"engine": engine_record(engine)}
 
 
-def _gather(job, mine, forward_lengths, timing: tuple[float, float, float], parallel) -> dict[str, Any]:
+def _kv_cache_bytes(wrapped) -> int:
+    """The bytes of the KV cache Megatron-Core's static context holds on this rank (every layer's key and value)."""
+    return sum(t.nbytes for pair in wrapped.inference_context.key_value_memory_dict.values() for t in pair)
+
+
+def _gather(job, mine, forward_lengths, timing: tuple[float, float, float], parallel, kv_bytes: int) -> dict[str, Any]:
     """Collect every rank's outputs on rank 0; check that the ranks of each model replica agree."""
     from megatron.core import parallel_state as ps
 
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, {"dp": ps.get_data_parallel_rank(), "outputs": mine,
-                                                   "seconds": timing, "forward_lengths": forward_lengths})
+                                                   "seconds": timing, "forward_lengths": forward_lengths,
+                                                   "kv_bytes": kv_bytes})
     if worker.rank() != 0:
         return {}
     merged: dict[int, tuple[list[int], str]] = {}
@@ -95,6 +103,7 @@ def _gather(job, mine, forward_lengths, timing: tuple[float, float, float], para
     return {"label": job.label, "tokens": tokens, "finish": [merged[i][1] for i in range(len(tokens))],
             "ranks_agree": agree, "seconds": slowest, "forward_seconds": forward, "packing_seconds": packing,
             "generated_tokens": generated,
+            "kv_cache_bytes": max(share["kv_bytes"] for share in everyone),  # the most any rank held
             "tokens_per_s": generated / slowest if slowest > 0 else 0.0,
             "forward_lengths": [lengths for _, lengths in sorted(  # per batch, from whichever rank ran it
                 {number: lengths for share in everyone for number, lengths in share["forward_lengths"]}.items())],

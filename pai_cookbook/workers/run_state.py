@@ -67,7 +67,10 @@ class StepLog:
         for name, value in figures.items():
             if not isinstance(value, (int, float)):  # per-layer router lists stay in metrics.jsonl
                 continue
-            self.tensorboard.add_scalar(f"train/{name}" if name != "valid_loss" else "valid/loss", value, step)
+            if name == "valid_loss_at_start":  # the validation before the first step, at step 0
+                self.tensorboard.add_scalar("valid/loss", value, 0)
+            else:
+                self.tensorboard.add_scalar(f"train/{name}" if name != "valid_loss" else "valid/loss", value, step)
 
     def close(self) -> None:
         if self.jsonl is not None:

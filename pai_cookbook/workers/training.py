@@ -292,6 +292,12 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
     router = RouterStats([m.module for m in model], config) if config.model.is_moe else None
     fp8_backend = config.precision.fp8.decided_backend if config.precision.fp8 is not None else None
     probe = MemoryProbe() if config.measure_memory else None
+    at_start = None
+    if first_step == 0 and valid_set is not None and config.eval_interval:  # the "before" of every before/after
+        at_start = evaluate(config, model, valid_set, device.transformer_engine)
+        valid_losses.append((0, at_start))
+        if fp8_backend == "emulated":
+            fp8.collect([m.module for m in model])  # validation's quantizations are not the first step's
     start = time.perf_counter()
     for step in range(first_step, config.train_iters):
         step_start = time.perf_counter()
@@ -302,6 +308,8 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
             log.write(step + 1, history[-1])
             log.close()
             stop_non_finite(config, step + 1, history[-1], started_from)
+        if at_start is not None and step == 0:  # logged with the first step: metrics.jsonl's records are steps
+            history[-1]["valid_loss_at_start"] = at_start
         if router is not None:
             history[-1] |= router.step()
         if fp8_backend == "emulated":  # per linear and operand: amax, scale, overflow and underflow fractions
@@ -362,7 +370,7 @@ def _dataset_tokenizer(config: RunConfig) -> Path | None:
     return staged
 
 
-_STEP_FIGURES = {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mfu_of_measured_peak", "valid_loss"}
+_STEP_FIGURES = {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mfu_of_measured_peak", "valid_loss", "valid_loss_at_start"}
 
 
 

@@ -72,3 +72,16 @@ class GenerationConfig:
     @property
     def greedy(self) -> bool:
         return self.top_k == 1
+
+
+def kv_cache_bytes(model, batch: int, max_sequence: int, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
+    """What Megatron-Core's static engine allocates for the KV cache on one rank: for each of the rank's layers a key
+    and a value buffer of [max_sequence, batch, query groups / TP, head width] (`Attention._allocate_memory`). Multi-
+    latent attention caches keys and values after their up-projection, per head: keys of the head's width plus the
+    shared rotary part, values of `v_head_dim`. Per token of context per sequence it is this over batch x max_sequence."""
+    if model.multi_latent_attention:
+        groups, key, value = model.num_attention_heads, model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+    else:
+        groups, key, value = model.query_groups, model.head_dim, model.head_dim
+    layers = -(-model.num_layers // pp)  # the most loaded pipeline stage
+    return layers * max_sequence * batch * (groups // tp) * (key + value) * dtype_bytes
