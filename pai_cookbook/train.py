@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pai_cookbook import data, sft
-from pai_cookbook.core.checkpoints import checkpoint, damage
+from pai_cookbook.core.checkpoints import checkpoint, checkpoint_config, damage
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import (
     ConfigError,
@@ -79,6 +79,11 @@ def preflight(config: RunConfig, world_size: int) -> None:
     if set_aside and not latest:
         return  # save_dir holds only what was set aside: the run starts over beside it
     if latest is not None:
+        base = checkpoint.read_state(latest).get("lora_base")
+        if base is not None and base["identity"] != checkpoint_config.identity(ckpt.load_dir):
+            raise ConfigError(f"cannot resume {latest}: its adapters were trained on {base['path']} (identity "
+                              f"{base['identity']}), and checkpoint.load_dir {ckpt.load_dir} is another checkpoint. "
+                              f"Point load_dir at that base, or start the adapters over in another save_dir.")
         saved, wanted = checkpoint.saved_layout(latest) or {}, layout.record(config.parallel, world_size)
         if not layout.same_layout(saved, wanted):
             raise ConfigError(f"cannot resume {latest}: it was saved at {saved}, this run is {wanted}. Resume "

@@ -96,7 +96,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]
             + "\n".join("| " + " | ".join(shown(k, row.get(k)) for k in columns) + " |" for row in rows))
 
 
-def save_metrics(output_dir: str | Path, metrics: dict[str, Any]) -> Path:
+def save_metrics(output_dir: str | Path, metrics: dict[str, Any]) -> None:
     """Write the notebook's headline figures to output_dir/metrics.json (NaN/inf refused), with the minutes this
     kernel has run (`kernel_minutes`), and print where they went and those minutes: every notebook ends here, so each
     says what it took (a fresh kernel, as in a batch job, ran the notebook alone; a kernel that ran cells before
@@ -109,7 +109,6 @@ def save_metrics(output_dir: str | Path, metrics: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(metrics | {"kernel_minutes": minutes}, indent=2))
     print(f"{len(metrics)} figures written to {path}; this kernel has run {minutes:.1f} minutes")
-    return path
 
 
 def kernel_minutes() -> float:

@@ -28,6 +28,7 @@ from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import ModelConfig, ParallelConfig, PrecisionConfig
 from pai_cookbook.core.launching import worker
 from pai_cookbook.core.launching.jobs import DEFAULT_SHARD_BYTES, ConvertJob
+from pai_cookbook.workers import adapters
 from pai_cookbook.workers.dcp_layout import Chunk, chunk_layout, iter_megatron_params, unwritten_chunks
 
 WRITE_THREADS = 2  # HF -> Megatron: DCP writer threads, each building and writing its own file
@@ -247,6 +248,10 @@ def run(job: ConvertJob, device) -> dict[str, Any]:
         result = write_megatron(inspect_hf(src, job.model, drop_mtp=job.drop_mtp), dst)
     elif job.direction == "mcore2hf":
         result = write_hf(src, dst, job.max_shard_bytes)
+    elif job.direction == "lora_merge":
+        result = adapters.merge(src, dst, job.parallel, device)
+    elif job.direction == "lora_peft":
+        result = adapters.export_peft(src, dst, device)
     else:
         result = reshard(src, dst, job.parallel, device)
     return result | {"seconds": time.perf_counter() - start, "rss_before_mb": rss_before_mb,

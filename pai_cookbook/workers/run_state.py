@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.checkpoints import checkpoint, checkpoint_config
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import RunConfig
 from pai_cookbook.core.launching import worker
@@ -107,6 +107,8 @@ def save_now(config: RunConfig, model, optimizer, scheduler, done: int, assets: 
              **state: Any) -> Path:
     """Save a training checkpoint after step `done` into save_dir (collective)."""
     ckpt = config.checkpoint
+    if config.lora is not None:  # an adapter checkpoint names the base it adapts (a resume or merge on another is refused)
+        state["lora_base"] = {"path": str(ckpt.load_dir), "identity": checkpoint_config.identity(ckpt.load_dir)}
     return checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model,
                                     torch_dtype(config.precision),
                                     layout.record(config.parallel, torch.distributed.get_world_size()),
@@ -158,10 +160,9 @@ def restore(config: RunConfig, model, optimizer, scheduler) -> tuple[int, str | 
             adam.fuse_adam(optimizer)
         follow_the_run_asked_for(config, optimizer, scheduler)
         return step, str(latest)
-    if ckpt.load_dir:
+    if ckpt.load_dir and config.lora is None:  # a LoRA run's base was loaded before its adapters (workers.training)
         checkpoint.load(modules, ckpt.load_dir)
         optimizer.reload_model_params()  # bf16: refresh the fp32 master copies from the loaded weights
-        return 0, ckpt.load_dir
-    return 0, None
+    return (0, ckpt.load_dir) if ckpt.load_dir else (0, None)
 
 

@@ -24,7 +24,7 @@ from pai_cookbook.core.machine import runtime
 from pai_cookbook.core.machine.runtime import DeviceInfo
 from pai_cookbook.core.measures.memory_probe import MemoryProbe
 from pai_cookbook.core.measures.router_stats import RouterStats
-from pai_cookbook.core.modeling import fp8
+from pai_cookbook.core.modeling import fp8, lora
 from pai_cookbook.core.modeling.model import torch_dtype
 from pai_cookbook.core.text import indexed_data, sft_data, tokenizer
 from pai_cookbook.workers.models import build_model
@@ -119,7 +119,11 @@ def build(config: RunConfig, device: DeviceInfo, head: str = "lm"):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opt = config.optimizer
-    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed, config.memory, head)
+    chunks = build_model(config.model, config.parallel, config.precision, device, config.seed, config.memory, head,
+                         initialize=config.lora is None)
+    if config.lora is not None:  # the base first, then the adapters beside its frozen weights: only they train
+        checkpoint.load(chunks, config.checkpoint.load_dir)
+        lora.add_adapters(chunks, config.lora, config.seed)
     tconfig = chunks[0].config
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=opt.use_distributed_optimizer)
@@ -344,6 +348,8 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
         "fp8": [h["fp8"] for h in history if "fp8" in h],
         "peak_flops": log.peak_flops, "datasheet_peak_flops": log.datasheet_flops,
         "world_size": torch.distributed.get_world_size(),
+        # this rank's parameters that train: every one, or with LoRA its adapters alone
+        "trainable_parameters": sum(p.numel() for m in model for p in m.parameters() if p.requires_grad),
         "device": device.name,
         "checkpoint": str(saved) if saved else None,
         # MoE: per step, each layer's expert shares, aux/z-losses and dropped tokens (moe.RouterStats)

@@ -116,10 +116,13 @@ def load_tokenizer(ckpt: str | Path):
 
 
 def _state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    # Megatron-LM's convention: "model" for one chunk, "model0", "model1", ... with virtual pipeline.
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    # Megatron-LM's convention: "model" for one chunk, "model0", "model1", ... with virtual pipeline. A model with LoRA
+    # adapters (core.modeling.lora) is its adapters alone: the base is the checkpoint it was loaded from.
+    from pai_cookbook.core.modeling.lora import is_adapter_key
+
+    states = [chunk.sharded_state_dict() for chunk in chunks]
+    states = [{k: v for k, v in s.items() if is_adapter_key(k)} if any(map(is_adapter_key, s)) else s for s in states]
+    return {"model": states[0]} if len(chunks) == 1 else {f"model{i}": s for i, s in enumerate(states)}
 
 
 def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, dtype: torch.dtype,
@@ -363,16 +366,16 @@ def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    from pai_cookbook.core.modeling.lora import is_adapter_key
+
     chained = chained_optimizers(optimizer)
     torch_adams = _distributed_torch_adams(chained)
     for inner in torch_adams:
         _fill_adam_state(inner)
     state = dist_checkpointing.load(_training_state(chunks, optimizer, scheduler, 0, is_loading=True), str(ckpt))
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(state["model"])
-    else:
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(state[f"model{i}"])
+    for i, chunk in enumerate(chunks):  # an adapters-only state leaves the base's weights as they are
+        loaded = state["model" if len(chunks) == 1 else f"model{i}"]
+        chunk.load_state_dict(loaded, strict=not any(map(is_adapter_key, loaded)))
     # one state per chained optimizer, in the order ChainedOptimizer.load_state_dict gives them out
     saved_states = [state["optimizer"]] if len(chained) == 1 else [v for _, v in sorted(state["optimizer"].items())]
     checkpoint_format.schedule_asked_for([g for inner in chained for g in inner.optimizer.param_groups], state["optimizer"])

@@ -34,3 +34,17 @@ def description(ckpt: str | Path) -> dict[str, Any]:
     """The checkpoint's `pai_cookbook.json` (model, dtype, provenance, the run that saved it)."""
     return inputs.read_json(Path(ckpt) / CONFIG_FILE, what="checkpoint description",
                             fix="Its checkpoint cannot be used: convert or train it again, or use an earlier one.")
+
+
+def identity(ckpt: str | Path) -> str:
+    """A short name for a checkpoint's contents: a hash of its description and of every file's name and size. Two
+    checkpoints written apart differ in it; it reads no tensor (a 70B checkpoint is named in milliseconds), so it tells
+    another checkpoint from this one, not a flipped bit in a shard. An adapter checkpoint keeps its base's identity
+    (`core.modeling.lora`), and a resume or a merge on another base is refused by it."""
+    import hashlib
+
+    folder = Path(ckpt)
+    digest = hashlib.sha256((folder / CONFIG_FILE).read_bytes())
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CONFIG_FILE):
+        digest.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
+    return digest.hexdigest()[:16]

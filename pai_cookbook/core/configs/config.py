@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.layout import ParallelConfig
+from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import ConfigError, ModelConfig, positive, require
 from pai_cookbook.core.launching.job import Job
 from pai_cookbook.core.machine import build
@@ -272,6 +273,9 @@ class RunConfig(Job):
     """Steps between validation-loss evaluations (and one at the end); 0 disables validation."""
     eval_iters: int = 2
     """Global batches of the validation split per evaluation."""
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters on the frozen model of `checkpoint.load_dir` instead of every weight
+    (`core.modeling.lora`); its checkpoints then hold the adapters alone."""
     measure_memory: bool = False
     """Count what each rank holds (`core.measures.memory_probe`): weights, gradient buffers, optimizer state, peak saved
     activations; every rank's figures come back in the result's "memory"."""
@@ -291,6 +295,9 @@ class RunConfig(Job):
                  f"seq_length {self.data.seq_length} exceeds the model's sliding_window {window}; Megatron-Core's "
                  f"local attention is full attention, equal to sliding-window attention only up to the window. "
                  f"Use seq_length <= {window}.")
+        require(self.lora is None or self.checkpoint.load_dir,
+                 "LoRA adapts a trained model: set checkpoint.load_dir to its checkpoint (adapters on random weights "
+                 "learn what full training would, slower).")
         require(self.data.seq_length <= self.model.max_position_embeddings,
                  f"seq_length {self.data.seq_length} exceeds the model's max_position_embeddings "
                  f"{self.model.max_position_embeddings}; shorten seq_length.")

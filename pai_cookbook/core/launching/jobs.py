@@ -19,7 +19,7 @@ from pai_cookbook.core.launching.job import Job
 from pai_cookbook.core.measures.logit_parity import DEFAULT_BATCH, DEFAULT_SEQ
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size: 5 GB
-DIRECTIONS = ("hf2mcore", "mcore2hf", "reshard")
+DIRECTIONS = ("hf2mcore", "mcore2hf", "reshard", "lora_merge", "lora_peft")
 INITS = ("mean", "hf_mean", "random")
 """New rows: mean of the sub-token rows; transformers' `resize_token_embeddings(mean_resizing=True)`
 (a sample of N(mean of all rows, 1e-9 x their covariance)); N(0, init_method_std), as a fresh model."""
@@ -32,7 +32,7 @@ class ConvertJob(Job):
 
     WORKER: ClassVar[str] = "pai_cookbook.workers.convert"
 
-    direction: Literal["hf2mcore", "mcore2hf", "reshard"]
+    direction: Literal["hf2mcore", "mcore2hf", "reshard", "lora_merge", "lora_peft"]
     src: str
     dst: str
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -49,7 +49,7 @@ class ConvertJob(Job):
             raise ConfigError(f"direction {self.direction!r} is not one of {DIRECTIONS}.")
 
     def processes(self) -> int:
-        return layout.world_size(self.parallel) if self.direction == "reshard" else 1
+        return layout.world_size(self.parallel) if self.direction in ("reshard", "lora_merge") else 1
 
 
 @dataclass(kw_only=True)

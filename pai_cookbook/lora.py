@@ -1,0 +1,71 @@
+"""LoRA's adapters after training: merged into their base as a full checkpoint (`merge`), or exported as a Hugging
+Face PEFT adapter (`export_peft`). Training with adapters is `train.run` with `RunConfig(lora=LoRAConfig(...))`
+(`core.configs.lora`, `core.modeling.lora`); its checkpoints hold the adapters alone and name their base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pai_cookbook.convert import _write
+from pai_cookbook.core.checkpoints import checkpoint, checkpoint_config
+from pai_cookbook.core.configs import layout
+from pai_cookbook.core.configs.config import ParallelConfig
+from pai_cookbook.core.configs.lora import TARGETS, LoRAConfig
+from pai_cookbook.core.configs.model_config import ConfigError
+from pai_cookbook.core.launching import nodes
+from pai_cookbook.core.launching.jobs import ConvertJob
+
+__all__ = ["TARGETS", "LoRAConfig", "adapter_folder", "export_peft", "merge"]
+
+
+def adapter_folder(path: str | Path) -> tuple[Path, Path]:
+    """(the adapter checkpoint, its base) for an adapter checkpoint or a LoRA run's save_dir (its latest), the base
+    checked to be the one the adapters were trained on.
+
+    Raises:
+        ConfigError: no adapters there, or a base that is missing or another checkpoint than it was."""
+    folder = Path(path)
+    if not (folder / checkpoint.CONFIG_FILE).exists():
+        latest = checkpoint.finished_iterations(folder)[-1:]
+        if not latest:
+            raise ConfigError(f"{folder} is neither a checkpoint nor a save_dir holding one; give a LoRA run's save_dir.")
+        folder = latest[0]
+    base = checkpoint.read_state(folder).get("lora_base")
+    if base is None:
+        raise ConfigError(f"{folder} holds no LoRA adapters (a full checkpoint): train with "
+                          f"RunConfig(lora=LoRAConfig(...)), or use the checkpoint as it is.")
+    base_dir = Path(base["path"])
+    if not (base_dir / checkpoint.CONFIG_FILE).exists() or checkpoint_config.identity(base_dir) != base["identity"]:
+        raise ConfigError(f"{folder}'s adapters were trained on {base_dir} (identity {base['identity']}), which is "
+                          f"{'missing' if not base_dir.exists() else 'another checkpoint now'}: put that base back "
+                          f"where it was.")
+    return folder, base_dir
+
+
+@nodes.node0_only
+def merge(adapters: str | Path, out: str | Path, parallel: ParallelConfig | None = None, *, overwrite: bool = False,
+          run_dir: str | Path | None = None) -> dict[str, Any]:
+    """The base with the adapters folded into its weights (W + alpha / r B A), saved as a full checkpoint at
+    `parallel` (default one process): what generation, conversion to Hugging Face and further training load."""
+    from pai_cookbook.core.launching import launch
+
+    folder, base = adapter_folder(adapters)
+    parallel = parallel or ParallelConfig()
+    model, _ = checkpoint.read_config(base)
+    layout.check(model, parallel, purpose="load")
+    checkpoint.check_writable(out, overwrite)
+    job = ConvertJob(direction="lora_merge", src=str(folder.resolve()), dst=str(Path(out).resolve()), parallel=parallel)
+    result = launch.launch(job, nproc_per_node=job.processes(), echo=False, show_progress=False,
+                           run_dir=run_dir or Path(out).with_name(Path(out).name + ".logs"))
+    return {k: v for k, v in result.items() if k != "events"}
+
+
+def export_peft(adapters: str | Path, out: str | Path, *, overwrite: bool = False,
+                run_dir: str | Path | None = None) -> dict[str, Any]:
+    """The adapters as a Hugging Face PEFT adapter folder (adapter_model.safetensors, adapter_config.json) that
+    `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<the base's export>), out)` loads; the folder
+    appears only when complete."""
+    folder, _ = adapter_folder(adapters)
+    job = ConvertJob(direction="lora_peft", src=str(folder.resolve()), dst="")
+    return _write(job, Path(out), overwrite, run_dir, None)

@@ -1,0 +1,149 @@
+"""LoRA on Megatron-Core's parallel linears (`core.modeling.lora`): the adapters start as the base model, train as one
+model at every TP layout (sequence parallelism included), train alone, and checkpoint alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pai_cookbook import train
+from pai_cookbook.core.checkpoints import checkpoint, checkpoint_config
+from pai_cookbook.core.configs.config import CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, RunConfig
+from pai_cookbook.core.configs.lora import TARGETS, LoRAConfig
+from pai_cookbook.core.configs.model_config import ConfigError
+from pai_cookbook.core.machine import build
+
+STEPS = 10
+QUIET = {"echo": False, "show_progress": False}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny Llama's Megatron-Core checkpoint (converted from a Hugging Face folder, as a user's model is)."""
+    from pai_cookbook import convert
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("lora_base")
+    ckpt = root / "mcore"
+    convert.hf_to_megatron(make_tiny_hf_model("llama", root / "hf"), ckpt)
+    return ckpt
+
+
+def run(base, lora: LoRAConfig | None = LoRAConfig(rank=4, alpha=8.0), save_dir=None, steps: int = STEPS,
+        **fields) -> RunConfig:
+    model, _ = checkpoint.read_config(base)
+    return RunConfig(model=model, lora=lora, train_iters=steps, seed=7,
+                     data=DataConfig(seq_length=32, micro_batch_size=2, global_batch_size=8),
+                     optimizer=OptimizerConfig(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2),
+                     checkpoint=CheckpointConfig(load_dir=str(base), save_dir=save_dir and str(save_dir)), **fields)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rank": 0}, "rank 0 must be an integer >= 1"),
+    ({"alpha": 0}, "alpha 0 must be > 0"),
+    ({"targets": ["q_proj"]}, r"\['q_proj'\] matches no adapter target.*q/k/v are linear_qkv"),
+    ({"targets": []}, "none given"),
+])
+def test_bad_lora_settings_name_the_fix(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        LoRAConfig(**fields)
+
+
+def test_lora_needs_a_base_and_builds_the_local_spec_on_a_te_gpu():
+    from pai_cookbook.core.checkpoints import families
+
+    with pytest.raises(ConfigError, match="LoRA adapts a trained model: set checkpoint.load_dir"):
+        RunConfig(model=families.tiny(), lora=LoRAConfig())
+    assert LoRAConfig().narrow_layers(build.TE_LAYERS) == build.LOCAL_LAYERS
+    assert LoRAConfig().narrow_layers(build.CPU_LAYERS) == build.CPU_LAYERS
+
+
+@pytest.mark.multiproc
+def test_adapters_start_as_the_base_train_alone_and_are_one_model_at_every_tp_layout(base, tmp_path, run_scenario):
+    """B starts at zero, so the first step's loss is the base's (the full fine-tuning run's first loss, same data);
+    only the adapters train (rank x (in + out) per target per layer); TP=2 and TP=2 with sequence parallelism give
+    TP=1's losses for 10 steps (the adapters' A drawn whole from one seed and split like the layer's weight)."""
+    full = train.run(run(base, lora=None), run_dir=tmp_path / "full", **QUIET)
+    one = train.run(run(base), run_dir=tmp_path / "tp1", **QUIET)
+    assert one["losses"][0] == full["losses"][0]
+    assert one["losses"][-1] < one["losses"][0] - 0.01  # the adapters learn (measured 5.561 -> 5.536 in 10 steps)
+    model, _ = checkpoint.read_config(base)
+    h, f, heads = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    qkv = (heads + 2 * model.query_groups) * model.head_dim
+    widths = {"linear_qkv": (h, qkv), "linear_proj": (heads * model.head_dim, h), "linear_fc1": (h, 2 * f),
+              "linear_fc2": (f, h)}
+    assert one["trainable_parameters"] == model.num_layers * sum(4 * (i + o) for i, o in (widths[t] for t in TARGETS))
+    assert full["trainable_parameters"] > 10 * one["trainable_parameters"]  # measured 106,816 against 6,656
+    layouts = [run(base, parallel=ParallelConfig(tensor_model_parallel_size=2)),
+               run(base, parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))]
+    for config, other in zip(layouts, run_scenario.layouts(layouts, 2)):
+        assert other["losses"] == pytest.approx(one["losses"], abs=1e-5), config.parallel
+
+
+@pytest.mark.multiproc
+def test_an_adapter_checkpoint_holds_the_adapters_alone_and_resumes_exactly(base, tmp_path):
+    """The checkpoint is the adapters and their optimizer state, no base weight (the base is its load_dir, named by
+    identity); stopped at step 5 and resumed to 10 it gives the straight run's losses; on another base it is refused
+    before any worker starts."""
+    save = tmp_path / "adapters"
+    config = run(base, save_dir=save)
+    config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, save_interval=5))
+    straight = train.run(config, run_dir=tmp_path / "straight", **QUIET)
+    first, last = checkpoint.finished_iterations(save)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(first)).read_metadata().state_dict_metadata
+    weights = [k for k in stored if k.startswith(("embedding.", "decoder.", "output_layer."))]
+    assert weights and all(".lora_" in k for k in weights), weights  # no base weight, and every adapter
+    assert len(weights) == 2 * len(TARGETS) and any(k.startswith("optimizer.") and ".lora_" in k for k in stored)  # A, B
+    assert checkpoint.read_state(first)["lora_base"]["identity"] == checkpoint_config.identity(base)
+    import shutil
+
+    shutil.rmtree(last)  # stopped after step 5: the same call resumes there
+    resumed = train.run(config, run_dir=tmp_path / "rest", **QUIET)
+    assert resumed["first_step"] == 5
+    assert straight["losses"][5:] == pytest.approx(resumed["losses"], abs=1e-6)
+    other = tmp_path / "other_base"
+    shutil.copytree(base, other)
+    (other / "extra.txt").write_text("another checkpoint")
+    with pytest.raises(ConfigError, match="its adapters were trained on"):
+        train.run(dataclasses.replace(run(base, save_dir=save, steps=12),
+                                      checkpoint=CheckpointConfig(load_dir=str(other), save_dir=str(save))), **QUIET)
+
+
+@pytest.mark.multiproc
+def test_merged_and_peft_exported_adapters_compute_what_the_cookbook_trained(base, tmp_path):
+    """Adapters trained at TP=2 with sequence parallelism, then: merged into the base (a full checkpoint, which
+    transformers computes as Megatron-Core does on its export), and exported as a PEFT adapter that
+    `peft.PeftModel` loads on the base's own export: its logits equal the merged model's to fp32 rounding. The fused
+    QKV and gate/up adapters' B split by the rows the weights are split by, their A shared: exact."""
+    import torch
+    import transformers
+
+    peft = pytest.importorskip("peft")
+    from pai_cookbook import convert, lora, parity
+    from pai_cookbook.core.measures.logit_parity import hf_logits, token_batch
+
+    save = tmp_path / "adapters"
+    config = run(base, save_dir=save, steps=4, parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
+    train.run(config, nproc_per_node=2, run_dir=tmp_path / "train", **QUIET)
+    merged = tmp_path / "merged"
+    assert lora.merge(save, merged)["merged"] == 2 * 4  # 2 layers x 4 targets
+    merged_hf, base_hf = tmp_path / "merged_hf", tmp_path / "base_hf"
+    convert.megatron_to_hf(merged, merged_hf)
+    convert.megatron_to_hf(base, base_hf)
+    row = parity.check(merged_hf, merged, run_dir=tmp_path / "parity")
+    assert row["max_abs_diff"] <= 1e-5 and row["argmax_agreement"] == 1.0
+    exported = lora.export_peft(save, tmp_path / "peft")
+    assert exported["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"])
+    tokens = token_batch(base / checkpoint.HF_ASSETS)
+    adapted = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base_hf, dtype=torch.float32), tmp_path / "peft").eval()
+    with torch.no_grad():
+        through_peft = adapted(tokens).logits.float()
+    reference = hf_logits(merged_hf, tokens)
+    unadapted = hf_logits(base_hf, tokens)
+    assert (through_peft - reference).abs().max() <= 1e-5
+    assert (unadapted - reference).abs().max() > 1e-3  # the adapters changed the model: the check above could fail
