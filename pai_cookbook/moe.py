@@ -54,27 +54,29 @@ def load_balance(history: list[dict[str, Any]], skip: int) -> torch.Tensor:
     return loads.mean(dim=0) * loads.shape[-1]
 
 
-def settled(history: list[dict[str, Any]], low: float = 0.5, high: float = 2.0) -> dict[str, Any]:
-    """When the router settles: the first step from which every expert's per-step share, in units of the fair share,
-    stays within [`low`, `high`] in every MoE layer to the end of the run, and the extremes of the steps before and
-    after it. What a heat map of `expert_load` shows column by column, as figures.
+def settled(history: list[dict[str, Any]], window: int = 10, low: float = 0.5, high: float = 2.0) -> dict[str, Any]:
+    """When the router settles: the first step from which every expert's share, averaged over `window` steps and in
+    units of the fair share, stays within [`low`, `high`] in every MoE layer to the end of the run. What a heat map of
+    `expert_load` shows, as figures: single steps swing more than their averages (a step routes one small batch).
 
-    Returns {"step": the 1-based step it settles at (None if the last step is still outside), "before": (least, most)
-    over the steps before it, "after": (least, most) from it on}."""
+    Returns {"step": the 1-based step the first such window starts at (None if the last window is still outside),
+    "averaged": (least, most) of the windowed shares from there, "single": (least, most) of single steps from there}."""
     if any("expert_load" not in h for h in history):
         raise ValueError("the history has no 'expert_load' per step: pass train.run(...)['router'] of an MoE run.")
+    if len(history) < window:
+        raise ValueError(f"{len(history)} steps are fewer than one window of {window}; lower `window`.")
     loads = torch.tensor([h["expert_load"] for h in history], dtype=torch.float64)
     loads = loads * loads.shape[-1]  # units of the fair share: [steps, layers, experts]
-    inside = ((loads >= low) & (loads <= high)).flatten(1).all(1).tolist()
+    sums = torch.cat([torch.zeros_like(loads[:1]), loads.cumsum(0)])
+    averaged = (sums[window:] - sums[:-window]) / window  # [j]: steps j+1 .. j+window
+    inside = ((averaged >= low) & (averaged <= high)).flatten(1).all(1).tolist()
     first = len(inside)
     while first > 0 and inside[first - 1]:
         first -= 1
-    step = first + 1 if first < len(inside) else None
-
-    def extremes(part: torch.Tensor) -> tuple[float, float] | None:
-        return (float(part.min()), float(part.max())) if part.numel() else None
-
-    return {"step": step, "before": extremes(loads[:first]), "after": extremes(loads[first:])}
+    if first == len(inside):
+        return {"step": None, "averaged": None, "single": None}
+    return {"step": first + 1, "averaged": (float(averaged[first:].min()), float(averaged[first:].max())),
+            "single": (float(loads[first:].min()), float(loads[first:].max()))}
 
 
 def layout_parity(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:

@@ -75,9 +75,11 @@ def check_moe(m: dict) -> None:
     # 0.78 with the committed tiny tokenizer, 0.86 with the earlier trained one); without it the router
     # collapses (measured least-loaded 0.00, most-loaded 3.99 x fair).
     assert m["aux_min_load"] >= 0.5
-    # The prose: with the aux loss the router swings, then settles (every expert within 0.5-2x its share from some
-    # step to the end), and that within the warm-up the averages leave out; without it, it never settles.
-    assert m["aux_settled_step"] is not None and m["aux_settled_step"] <= 50 and m["no_aux_settled_step"] is None
+    # The prose: with the aux loss the router swings, then settles (every expert's 10-step share within 0.5-2x its
+    # fair share from some step to the end: measured from step 61 of 100; single steps 0.1-1.6x after it), and the
+    # averages start there; without it, it never settles. (The prose once said every expert "stays near its share"
+    # of a run whose steps 25-45 swung from 0 to 3x, and averaged from step 26.)
+    assert m["aux_settled_step"] is not None and m["aux_settled_step"] <= 90 and m["no_aux_settled_step"] is None
     assert m["no_aux_min_load"] < 0.5 < m["aux_min_load"] and m["no_aux_max_load"] > m["aux_max_load"]
     # EP=2 is the EP=1 training (measured 1.2e-6 on 0.16, 4.8e-7 on 0.19; issue bound 1e-4) while the routing is
     # identical. Rounding (~1e-7) can flip a near-tie top-k choice later (on 0.16 seen once in five 100-step runs, at

@@ -11,10 +11,10 @@ def _finish(fig, path: str | Path | None, tight: bool = True):
     labelled "step" get whole-number ticks (a short run's steps would otherwise read 2.5, 7.5)."""
     from matplotlib.ticker import MaxNLocator
 
-    for ax in fig.axes:
-        if ax.get_xlabel() == "step":
+    for ax in fig.axes:  # a figure that set its own step ticks keeps them
+        if ax.get_xlabel() == "step" and not isinstance(ax.xaxis.get_major_locator(), MaxNLocator):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if tight:
+    if tight and fig.get_layout_engine() is None:
         fig.tight_layout()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
