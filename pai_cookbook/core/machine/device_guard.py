@@ -65,8 +65,7 @@ _UNSEEN_FACTORIES = ("from_numpy", "range")
 _LEGACY_CONSTRUCTORS = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
                         "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")
 # Ops whose tensor list must live on one device, 0-dimensional members included (no CPU-scalar exception).
-_TENSOR_LISTS = frozenset({"stack", "cat", "concat", "concatenate", "hstack", "vstack", "dstack", "column_stack",
-                           "row_stack"})
+_TENSOR_LISTS = frozenset({"stack", "cat", "concat", "concatenate", "hstack", "vstack", "dstack", "column_stack"})
 _MOVES = frozenset({"to", "cpu", "cuda"})
 _TO_NUMPY = frozenset({"numpy", "__array__"})
 _UNCHECKED = frozenset({"copy_"})
@@ -359,7 +358,7 @@ class DeviceGuard(TorchFunctionMode):
 
 class _LegacyConstructor:
     """`torch.LongTensor` and kin while a guard is active: what they make is a host tensor, tagged with where it was
-    made; `isinstance(x, torch.LongTensor)` still asks the real type."""
+    made; `isinstance` and `torch.LongTensor | None` (an annotation evaluated at runtime) still mean the real type."""
 
     def __init__(self, legacy: Any, guard: DeviceGuard) -> None:
         self.legacy, self.guard = legacy, guard
@@ -372,11 +371,8 @@ class _LegacyConstructor:
     def __instancecheck__(self, instance: Any) -> bool:
         return isinstance(instance, self.legacy)
 
-    def __or__(self, other: Any) -> Any:  # `torch.LongTensor | None` in an annotation evaluated at runtime
+    def __or__(self, other: Any) -> Any:
         return self.legacy | other
-
-    def __ror__(self, other: Any) -> Any:
-        return other | self.legacy
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.legacy, name)
