@@ -36,6 +36,11 @@ DEFINITIONS: dict[str, dict[str, str]] = {
                                  "6": "training FLOPs per parameter and token (2 forward, 4 backward)",
                                  "989": "an H100 SXM's datasheet dense "
                                  "bf16 TFLOP/s (core.measures.throughput.DATASHEET_DENSE_TFLOPS)"},
+    "10_lora": {"16": "bytes per parameter that full fine-tuning adds to bf16 weights (fp32 gradients, Adam's state)",
+                "80": "an H100's memory in GB", "8": "a usual LoRA rank", "64": "a usual LoRA rank",
+                "4": "bytes of an fp32 gradient", "12": "bytes of Adam's two moments and an fp32 master weight",
+                "18": "bytes per parameter of full fine-tuning before activations (2 + 4 + 12)",
+                "2": "bytes of a bf16 value"},
     "08_rlhf": {"1.16": "TRL's version", "259": "the byte-level tokenizer's size: 256 bytes and 3 special tokens",
                 "0.95": "GAE's lambda (PPOConfig's default)", "20%": "the KL controller's clip (Ziegler et al.)",
                 "0.05": "a bound tests/test_notebooks.py asserts", "0.1": "a bound tests/test_notebooks.py asserts",

@@ -147,3 +147,17 @@ def test_merged_and_peft_exported_adapters_compute_what_the_cookbook_trained(bas
     unadapted = hf_logits(base_hf, tokens)
     assert (through_peft - reference).abs().max() <= 1e-5
     assert (unadapted - reference).abs().max() > 1e-3  # the adapters changed the model: the check above could fail
+
+
+def test_adapters_the_model_has_no_place_for_are_refused_before_launch(base):
+    """A rank above a target's width, targets that a model lacks (multi-latent attention has no fused QKV; an MoE
+    layer's experts take no adapter): refused when the run is built, naming the fix."""
+    from pai_cookbook.core.checkpoints import families
+
+    with pytest.raises(ConfigError, match="rank 512 exceeds the narrowest adapted layer's width"):
+        run(base, lora=LoRAConfig(rank=512))
+    latent = families.tiny("deepseek_v3")
+    with pytest.raises(ConfigError, match=r"none is in this deepseek_v3 model.*linear_proj"):
+        RunConfig(model=latent, lora=LoRAConfig(targets=["linear_qkv"]),
+                  checkpoint=CheckpointConfig(load_dir=str(base)))
+    RunConfig(model=latent, lora=LoRAConfig(), checkpoint=CheckpointConfig(load_dir=str(base)))  # its other targets

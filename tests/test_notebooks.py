@@ -283,6 +283,19 @@ def check_inference_real(m: dict) -> None:
     assert m["real_model"] and m["tp_size"] == 3 and "Paris" in m["greedy_completions"][0]
 
 
+def check_lora(m: dict) -> None:
+    # The adapters are a small part of what trains, and of the gradient and optimizer state held (the frozen weights
+    # are held either way); the adapted model starts as the base (B = 0: the same validation loss before the first
+    # step) and both runs learn.
+    assert m["lora_trainable"] * 10 < m["full_trainable"] and m["lora_state_mib"] * 5 < m["full_state_mib"]
+    assert abs(m["lora_valid_start"] - m["full_valid_start"]) <= 1e-6
+    assert m["lora_valid_end"] < m["lora_valid_start"] and m["full_valid_end"] < m["full_valid_start"]
+    # The rank sweep: trainable parameters linear in the rank (2, 8, 32)
+    assert [n / r for n, r in zip(m["rank_trainable"], (2, 8, 32))] == [m["rank_trainable"][0] / 2] * 3
+    # The PEFT export computes what the merged model computes, and the adapters did move the model
+    assert m["peft_max_abs_diff"] <= 1e-5 and m["peft_moved"] > 1e-3
+
+
 REAL_CHECKS = {"01_convert_checkpoint": check_convert_real, "03_continued_pretraining": check_pretraining_real,
                "06_supervised_finetuning": check_sft_real, "07_inference": check_inference_real}
 
@@ -311,6 +324,7 @@ CHECKS = {
     "07_inference": check_inference,
     "08_rlhf": check_rlhf,
     "09_plan_a_run": check_plan,
+    "10_lora": check_lora,
 }
 
 

@@ -298,6 +298,8 @@ class RunConfig(Job):
         require(self.lora is None or self.checkpoint.load_dir,
                  "LoRA adapts a trained model: set checkpoint.load_dir to its checkpoint (adapters on random weights "
                  "learn what full training would, slower).")
+        if self.lora is not None:
+            self.lora.check(self.model)
         require(self.data.seq_length <= self.model.max_position_embeddings,
                  f"seq_length {self.data.seq_length} exceeds the model's max_position_embeddings "
                  f"{self.model.max_position_embeddings}; shorten seq_length.")

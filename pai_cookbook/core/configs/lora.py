@@ -45,6 +45,21 @@ class LoRAConfig:
                 f"{list(TARGETS)} (Megatron-Core's names: q/k/v are linear_qkv, o_proj linear_proj, gate/up "
                 f"linear_fc1, down linear_fc2).")
 
+    def check(self, model) -> None:
+        """Refuse adapters the model (a `ModelConfig`) has no place for, or a rank above a target's width."""
+        h, f, heads = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+        present = {"linear_proj": (heads * (model.v_head_dim if model.multi_latent_attention else model.head_dim), h)}
+        if not model.multi_latent_attention:  # multi-latent attention's projections have other names
+            present["linear_qkv"] = (h, (heads + 2 * model.query_groups) * model.head_dim)
+        if not model.is_moe or not all(model.moe_flags):  # dense MLPs (an MoE layer's experts take no adapter here)
+            present |= {"linear_fc1": (h, 2 * f if model.activation == "swiglu" else f), "linear_fc2": (f, h)}
+        found = [t for t in self.targets if t in present]
+        require(found, f"LoRA targets {list(self.targets)}: none is in this {model.family} model (it has "
+                       f"{sorted(present)}); target those.")
+        narrow = min(min(present[t]) for t in found)
+        require(self.rank <= narrow, f"LoRA rank {self.rank} exceeds the narrowest adapted layer's width ({narrow}); "
+                                     f"a rank is at most its layer's smaller side: lower it.")
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
