@@ -149,6 +149,7 @@ def test_the_legacy_constructors_make_host_tensors(model):
         assert guard.tags[ids] == device_guard.HOST and isinstance(ids, torch.LongTensor)
         assert not isinstance(torch.zeros(2), torch.LongTensor)
         assert torch.LongTensor | None == typing.Union[guard_free_long, None]  # noqa: UP007 (an annotation evaluated while active)
+        assert int | torch.LongTensor == typing.Union[int, guard_free_long]  # noqa: UP007 (transformers writes these)
         with pytest.raises(DeviceMismatch, match=f"made at {THIS_FILE}:{line}"):
             model.weight[0] + ids.float()
         with pytest.raises(DeviceMismatch):

@@ -25,17 +25,16 @@ Rules, after CUDA's behaviour:
    the inputs (in-place ops, `out=`) keeps its own tag.
 4. `x.cuda()` / `x.to(ACCELERATOR)` return a device-tagged alias (x keeps its tag), `x.to("cpu")` and
    `x.cpu()` a host-tagged one, `x.to(dtype)` keeps the tag; `.numpy()` of a device tensor raises.
-5. `place(module)`, and `Module.cuda()` / `Module.to(device)` while active, tag parameters and buffers
-   as device.
-6. The torch.distributed tensor collectives refuse host tensors (NCCL takes device tensors only), except
-   inside the object collectives, which make their own host tensors on gloo.
-7. The error names the op and where the host tensor was made (first frame in the package or its tests,
-   else the first frame outside torch), carried from a tensor to what is derived from it.
+5. `place(module)`, and `Module.cuda()` / `Module.to(device)` while active, tag parameters and buffers as device.
+6. The torch.distributed tensor collectives refuse host tensors (NCCL takes device tensors only), except inside the
+   object collectives, which make their own host tensors on gloo.
+7. The error names the op and where the host tensor was made (first frame in the package or its tests, else the
+   first frame outside torch), carried from a tensor to what is derived from it.
 
-What it cannot see: ops run by autograd's backward and ops inside C++ (their outputs stay untagged),
-tensors made by functions imported by name before entering (`from torch import from_numpy`), `torch.Tensor(...)`
-called as a constructor (the class itself cannot be replaced), and collectives called through names bound before
-entering. The guard is not reentrant.
+What it cannot see: ops run by autograd's backward and ops inside C++ (their outputs stay untagged), tensors made by
+functions imported by name before entering (`from torch import from_numpy`), `torch.Tensor(...)` called as a
+constructor (the class cannot be replaced), and collectives called through names bound before entering. The guard is
+not reentrant.
 """
 
 from __future__ import annotations
@@ -69,13 +68,11 @@ _TENSOR_LISTS = frozenset({"stack", "cat", "concat", "concatenate", "hstack", "v
 _MOVES = frozenset({"to", "cpu", "cuda"})
 _TO_NUMPY = frozenset({"numpy", "__array__"})
 _UNCHECKED = frozenset({"copy_"})
-# Ops that read their other tensor's shape only (`x.view_as(y)` is `x.view(y.size())`): legal across devices, and
-# their output lives where `x` does.
+# Ops that read their other tensor's shape only (`x.view_as(y)` is `x.view(y.size())`): legal, output where `x` is.
 _SHAPE_OF_OTHER = frozenset({"view_as", "reshape_as", "expand_as"})
 _ALIASING_PROPERTIES = frozenset({"data", "grad", "T", "mT", "H", "mH"})
 _TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                       "reduce_scatter_tensor", "reduce", "send", "recv", "isend", "irecv", "all_to_all",
-                       "all_to_all_single")
+                       "reduce_scatter_tensor", "reduce", "send", "recv", "isend", "irecv", "all_to_all", "all_to_all_single")
 _OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 _MISSING = object()
 
@@ -358,7 +355,7 @@ class DeviceGuard(TorchFunctionMode):
 
 class _LegacyConstructor:
     """`torch.LongTensor` and kin while a guard is active: what they make is a host tensor, tagged with where it was
-    made; `isinstance` and `torch.LongTensor | None` (an annotation evaluated at runtime) still mean the real type."""
+    made; `isinstance` and unions (annotations evaluated at runtime) still mean the real type."""
 
     def __init__(self, legacy: Any, guard: DeviceGuard) -> None:
         self.legacy, self.guard = legacy, guard
@@ -373,6 +370,9 @@ class _LegacyConstructor:
 
     def __or__(self, other: Any) -> Any:
         return self.legacy | other
+
+    def __ror__(self, other: Any) -> Any:  # `int | torch.IntTensor`: transformers' annotations, evaluated at import
+        return other | self.legacy
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.legacy, name)
