@@ -12,7 +12,7 @@ from pai_cookbook.core.checkpoints import checkpoint, checkpoint_config
 from pai_cookbook.core.configs.config import CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, RunConfig
 from pai_cookbook.core.configs.lora import TARGETS, LoRAConfig
 from pai_cookbook.core.configs.model_config import ConfigError
-from pai_cookbook.core.machine import build
+from pai_cookbook.core.machine import build, device_guard
 
 STEPS = 10
 QUIET = {"echo": False, "show_progress": False}
@@ -113,11 +113,12 @@ def test_an_adapter_checkpoint_holds_the_adapters_alone_and_resumes_exactly(base
 
 
 @pytest.mark.multiproc
-def test_merged_and_peft_exported_adapters_compute_what_the_cookbook_trained(base, tmp_path):
-    """Adapters trained at TP=2 with sequence parallelism, then: merged into the base (a full checkpoint, which
-    transformers computes as Megatron-Core does on its export), and exported as a PEFT adapter that
-    `peft.PeftModel` loads on the base's own export: its logits equal the merged model's to fp32 rounding. The fused
-    QKV and gate/up adapters' B split by the rows the weights are split by, their A shared: exact."""
+def test_merged_and_peft_exported_adapters_compute_what_the_cookbook_trained(base, tmp_path, monkeypatch):
+    """Adapters trained at TP=2 with sequence parallelism, on the GPU's local layers under the device guard (the path
+    a GPU runs LoRA on), then: merged into the base (a full checkpoint, which transformers computes as Megatron-Core
+    does on its export), and exported as a PEFT adapter that `peft.PeftModel` loads on the base's own export: its
+    logits equal the merged model's to fp32 rounding. The fused QKV and gate/up adapters' B split by the rows the
+    weights are split by, their A shared: exact."""
     import torch
     import transformers
 
@@ -127,7 +128,10 @@ def test_merged_and_peft_exported_adapters_compute_what_the_cookbook_trained(bas
 
     save = tmp_path / "adapters"
     config = run(base, save_dir=save, steps=4, parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
-    train.run(config, nproc_per_node=2, run_dir=tmp_path / "train", **QUIET)
+    monkeypatch.setenv(build.LAYERS_ENV, build.LOCAL_LAYERS)  # the workers inherit both
+    monkeypatch.setenv(device_guard.ENV, "1")
+    trained = train.run(config, nproc_per_node=2, run_dir=tmp_path / "train", **QUIET)
+    assert trained["layers"]["layers"] == build.LOCAL_LAYERS
     merged = tmp_path / "merged"
     assert lora.merge(save, merged)["merged"] == 2 * 4  # 2 layers x 4 targets
     merged_hf, base_hf = tmp_path / "merged_hf", tmp_path / "base_hf"

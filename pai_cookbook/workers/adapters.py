@@ -14,6 +14,7 @@ from pai_cookbook.core.checkpoints import checkpoint, hf_mapping
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import ParallelConfig, PrecisionConfig, RunConfig
 from pai_cookbook.core.configs.lora import LoRAConfig
+from pai_cookbook.core.launching.job import from_dict
 from pai_cookbook.core.modeling import lora
 
 
@@ -24,14 +25,12 @@ def adapter_run(ckpt: Path) -> tuple[RunConfig, Path]:
     base = checkpoint.read_state(ckpt).get("lora_base")
     if run is None or run.get("lora") is None or base is None:
         raise ValueError(f"{ckpt} holds no LoRA adapters: train with RunConfig(lora=LoRAConfig(...)).")
-    return RunConfig.from_json(json.dumps(run)), Path(base["path"])
+    return from_dict(RunConfig, run), Path(base["path"])
 
 
 def _with_adapters(ckpt: Path, parallel: ParallelConfig, device, base_weights: bool):
     """This rank's model at `parallel` with the adapters of `ckpt` loaded; the base's weights loaded too where
     `base_weights` (else built on the meta device: the adapters alone hold memory)."""
-    from megatron.core import dist_checkpointing
-
     from pai_cookbook.workers.models import build_model
 
     run, base = adapter_run(ckpt)
@@ -48,13 +47,7 @@ def _with_adapters(ckpt: Path, parallel: ParallelConfig, device, base_weights: b
         for _, adapter in lora.adapters(chunks):  # real tensors for the adapters alone, filled by the load below
             adapter.lora_A = torch.nn.Parameter(torch.empty(adapter.lora_A.shape, dtype=adapter.lora_A.dtype))
             adapter.lora_B = torch.nn.Parameter(torch.empty(adapter.lora_B.shape, dtype=adapter.lora_B.dtype))
-    (chunk,) = chunks
-    wanted = {k: v for k, v in chunk.sharded_state_dict().items() if lora.is_adapter_key(k)}
-    loaded = {k: v for k, v in dist_checkpointing.load(wanted, str(ckpt)).items() if k in wanted}  # not its common state
-    missing, unexpected = chunk.load_state_dict(loaded, strict=False)
-    if unexpected or any(lora.is_adapter_key(k) for k in missing):
-        raise ValueError(f"{ckpt}: adapters missing {[k for k in missing if lora.is_adapter_key(k)]}, "
-                         f"unexpected {unexpected}")
+    checkpoint.load(chunks, ckpt)  # a model with adapters asks for the adapters alone
     return chunks, run, base, model, dtype
 
 

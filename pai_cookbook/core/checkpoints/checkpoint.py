@@ -27,6 +27,7 @@ import torch
 from pai_cookbook.core.checkpoints import checkpoint_format
 from pai_cookbook.core.checkpoints.checkpoint_config import CONFIG_FILE, DTYPE_NAMES, PARTIAL_SUFFIX, description, read_config  # noqa: F401
 from pai_cookbook.core.configs.model_config import ModelConfig
+from pai_cookbook.core.modeling.lora import is_adapter_key
 from pai_cookbook.core.text import tokenizer
 
 HF_ASSETS = "hf_assets"
@@ -118,8 +119,6 @@ def load_tokenizer(ckpt: str | Path):
 def _state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     # Megatron-LM's convention: "model" for one chunk, "model0", "model1", ... with virtual pipeline. A model with LoRA
     # adapters (core.modeling.lora) is its adapters alone: the base is the checkpoint it was loaded from.
-    from pai_cookbook.core.modeling.lora import is_adapter_key
-
     states = [chunk.sharded_state_dict() for chunk in chunks]
     states = [{k: v for k, v in s.items() if is_adapter_key(k)} if any(map(is_adapter_key, s)) else s for s in states]
     return {"model": states[0]} if len(chunks) == 1 else {f"model{i}": s for i, s in enumerate(states)}
@@ -213,7 +212,8 @@ def load(chunks: list[torch.nn.Module], ckpt: str | Path) -> None:
     """Load a checkpoint into this rank's model chunks, whatever layout it was saved at.
 
     A reward model (`build_model(head="reward")`) loads a language model's checkpoint as its start: every
-    weight but the output layer, whose place its own new head takes. The other way round is refused.
+    weight but the output layer, whose place its own new head takes. The other way round is refused. A model with
+    LoRA adapters loads an adapter checkpoint (`_load_into`).
     """
     from megatron.core import dist_checkpointing
 
@@ -229,10 +229,16 @@ def load(chunks: list[torch.nn.Module], ckpt: str | Path) -> None:
                 del state[key]
     state = dist_checkpointing.load(requested, str(ckpt))
     for i, chunk in enumerate(chunks):  # virtual PP: all chunks were loaded in one call
-        missing, unexpected = chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"],
-                                                    strict=not fresh_head)
-        if fresh_head and (unexpected or any(not k.startswith("output_layer.") for k in missing)):
-            raise ValueError(f"loading {ckpt} under a reward head: missing {missing}, unexpected {unexpected}")
+        _load_into(chunk, state["model" if len(chunks) == 1 else f"model{i}"], ckpt, fresh_head)
+
+
+def _load_into(chunk: torch.nn.Module, loaded: dict[str, Any], ckpt: str | Path, fresh_head: bool = False) -> None:
+    """Every weight of `chunk` from `loaded`, but a fresh reward head's own and, from adapters alone, the base's."""
+    adapters_only = any(map(is_adapter_key, loaded))
+    missing, unexpected = chunk.load_state_dict(loaded, strict=not (fresh_head or adapters_only))
+    lost = [k for k in missing if is_adapter_key(k) or not (adapters_only or k.startswith("output_layer."))]
+    if unexpected or lost:
+        raise ValueError(f"loading {ckpt}: missing {lost}, unexpected {unexpected}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,16 +372,13 @@ def load_training(chunks, optimizer, scheduler, ckpt: str | Path) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from pai_cookbook.core.modeling.lora import is_adapter_key
-
     chained = chained_optimizers(optimizer)
     torch_adams = _distributed_torch_adams(chained)
     for inner in torch_adams:
         _fill_adam_state(inner)
     state = dist_checkpointing.load(_training_state(chunks, optimizer, scheduler, 0, is_loading=True), str(ckpt))
     for i, chunk in enumerate(chunks):  # an adapters-only state leaves the base's weights as they are
-        loaded = state["model" if len(chunks) == 1 else f"model{i}"]
-        chunk.load_state_dict(loaded, strict=not any(map(is_adapter_key, loaded)))
+        _load_into(chunk, state["model" if len(chunks) == 1 else f"model{i}"], ckpt)
     # one state per chained optimizer, in the order ChainedOptimizer.load_state_dict gives them out
     saved_states = [state["optimizer"]] if len(chained) == 1 else [v for _, v in sorted(state["optimizer"].items())]
     checkpoint_format.schedule_asked_for([g for inner in chained for g in inner.optimizer.param_groups], state["optimizer"])

@@ -100,9 +100,9 @@ class FP8Config:
         return dataclasses.replace(self, backend=self.resolve_backend(device))
 
     def narrow_layers(self, layers: str) -> str:
-        """The layers this FP8 builds where the machine's are `layers` (`core.machine.build.narrowed`): emulated FP8's
-        linears are the local spec's (`core.launching.job.decided` calls it on the decided config)."""
-        return build.narrowed(layers, self.backend)
+        """The layers this FP8 builds where the machine's are `layers`: emulated FP8's linears are the local spec's
+        (`core.machine.build.without_te`; `core.launching.job.decided` calls it on the decided config)."""
+        return build.without_te(layers) if self.backend == "emulated" else layers
 
     @property
     def decided_backend(self) -> str:

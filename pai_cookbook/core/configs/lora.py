@@ -69,4 +69,4 @@ class LoRAConfig:
         linears (Transformer Engine's fuse the input norm into the QKV and FC1 linears, where an adapter cannot reach
         the normalised input), so on a Transformer Engine GPU a LoRA run builds the local spec, and says so
         (`core.launching.job.decided`)."""
-        return build.LOCAL_LAYERS if layers == build.TE_LAYERS else layers
+        return build.without_te(layers)

@@ -22,15 +22,6 @@ BUILD_KEY = "build"
 """job.json's record of what the launcher decided to build (`core.machine.build.record`), beside the job's fields."""
 
 
-def planned_build(path: str | Path) -> dict[str, Any] | None:
-    """The build plan the launcher wrote into the job.json at `path`; None in one written by hand (`Job.save`)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # the job's own load says what is wrong with the file
-    return data.get(BUILD_KEY) if isinstance(data, dict) else None
-
-
 class Job:
     """Base of every worker's job: a `@dataclass(kw_only=True)` that travels to the workers as JSON.
 
@@ -55,11 +46,14 @@ class Job:
 
     @classmethod
     def from_json(cls: type[J], text: str) -> J:
-        """The job of a job.json; the launcher's build plan in it (`planned_build` reads it) is not a field."""
+        return cls.planned_from_json(text)[0]
+
+    @classmethod
+    def planned_from_json(cls: type[J], text: str) -> tuple[J, dict[str, Any] | None]:
+        """The job of a job.json, and the launcher's build plan in it (not a field; None in one written by hand)."""
         data = json.loads(text)
-        if isinstance(data, dict):
-            data.pop(BUILD_KEY, None)
-        return from_dict(cls, data)
+        build = data.pop(BUILD_KEY, None) if isinstance(data, dict) else None
+        return from_dict(cls, data), build
 
     def save(self, path: str | Path, build: dict[str, Any] | None = None) -> Path:
         """Write the job as JSON; the launcher adds its build plan (`core.machine.build.record`) under `BUILD_KEY`."""
@@ -70,12 +64,16 @@ class Job:
 
     @classmethod
     def load(cls: type[J], path: str | Path) -> J:
+        return cls.load_planned(path)[0]
+
+    @classmethod
+    def load_planned(cls: type[J], path: str | Path) -> tuple[J, dict[str, Any] | None]:
+        """`planned_from_json` of the file at `path`, read once; its faults named with the fix."""
         path = Path(path)
         if path.is_dir():
             raise ConfigError(f"{path} is a folder; give the {cls.__name__} JSON file (run.json) inside it.")
         try:
-            text = path.read_text(encoding="utf-8")
-            return cls.from_json(text)
+            return cls.planned_from_json(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path} does not exist; write it with {cls.__name__}(...).save(path).") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:

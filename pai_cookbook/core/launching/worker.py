@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pai_cookbook.core.launching.job import Job, decided, planned_build
+from pai_cookbook.core.launching.job import Job, decided
 
 RUN_DIR_ENV = "PAI_COOKBOOK_RUN_DIR"
 """Folder of the current launch: job, per-rank logs, result.json."""
@@ -105,8 +105,7 @@ def entry(job_type: type[J]) -> Callable[[Callable[[J], dict[str, Any] | None]],
         def run() -> None:
             global _planned_layers
             try:
-                job = job_type.load(sys.argv[1])
-                plan = planned_build(sys.argv[1])
+                job, plan = job_type.load_planned(sys.argv[1])
                 if plan is None:  # a job.json written by hand: decided here as the launcher decides it
                     from pai_cookbook.core.machine import runtime
 

@@ -154,7 +154,8 @@ def fp8_backend(device: Any, recipe: str, asked: str, wgrad: bool) -> str:
     return "emulated"
 
 
-def narrowed(layers: str, fp8_backend: str | None) -> str:
-    """The layers a job builds where the machine's path is `layers`: emulated FP8 (`core.modeling.fp8`) swaps in its
-    own linears on the local spec, so on a Transformer Engine GPU it builds the local path, and says so."""
-    return LOCAL_LAYERS if fp8_backend == "emulated" and layers == TE_LAYERS else layers
+def without_te(layers: str) -> str:
+    """The local spec where the machine's path `layers` is Transformer Engine's, the others as they are: what a job
+    whose modules wrap or replace Megatron-Core's local linears builds (emulated FP8's quantizing linears, LoRA's
+    adapters), so that on a Transformer Engine GPU it builds the local path, and says so."""
+    return LOCAL_LAYERS if layers == TE_LAYERS else layers

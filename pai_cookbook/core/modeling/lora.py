@@ -54,21 +54,15 @@ class LoRALinear(torch.nn.Module):
         if kind not in (COLUMN, ROW):
             raise ValueError(f"kind {kind!r}: {COLUMN!r} or {ROW!r}")
         self.base, self.kind, self.scale, self.gated = base, kind, config.scale, gated
-        self.rank_width = config.rank
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()
         tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and tp > 1
         weight = base.weight
         out_local, in_local = weight.shape
-        dtype = weight.dtype
-        if kind == COLUMN:  # A whole, B split like W's rows
-            a = full_a
-            b = torch.zeros(out_local, config.rank, dtype=dtype)
-        else:  # A split like W's columns, B whole
-            a = full_a[:, tp_rank * in_local:(tp_rank + 1) * in_local]
-            b = torch.zeros(out_local, config.rank, dtype=dtype)
-        self.lora_A = torch.nn.Parameter(a.to(dtype).contiguous().to(weight.device))
-        self.lora_B = torch.nn.Parameter(b.to(weight.device))
+        # column: A whole, B split like W's rows; row: A split like W's columns, B whole (B is W's rows either way)
+        a = full_a if kind == COLUMN else full_a[:, tp_rank * in_local:(tp_rank + 1) * in_local]
+        self.lora_A = torch.nn.Parameter(a.to(weight.dtype).contiguous().to(weight.device))
+        self.lora_B = torch.nn.Parameter(torch.zeros(out_local, config.rank, dtype=weight.dtype).to(weight.device))
         sharded = self.lora_B if kind == COLUMN else self.lora_A
         set_tensor_model_parallel_attributes(sharded, True, 0 if kind == COLUMN else 1, 1)
         if self.sequence_parallel:  # each rank's gradient covers its slice of the sequence: summed over TP
@@ -144,7 +138,9 @@ def add_adapters(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int) -
     for chunk in chunks:
         for parameter in chunk.parameters():
             parameter.requires_grad = False
-    added = 0
+    from megatron.core import parallel_state
+
+    tp, added = parallel_state.get_tensor_model_parallel_world_size(), 0
     for chunk in chunks:
         for layer in _layers(chunk):
             for target in config.targets:
@@ -153,19 +149,12 @@ def add_adapters(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int) -
                     continue
                 base = getattr(parent, target)
                 kind = KINDS[target]
-                tp = _tp()
                 in_features = base.weight.shape[1] * (tp if kind == ROW else 1)
                 a = full_a(config, seed, layer.layer_number, target, in_features)
                 gated = target == "linear_fc1" and parent.config.gated_linear_unit
                 setattr(parent, target, LoRALinear(base, kind, config, a, gated))
                 added += 1
     return added
-
-
-def _tp() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def _layers(chunk: torch.nn.Module) -> list[torch.nn.Module]:
