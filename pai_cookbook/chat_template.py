@@ -17,7 +17,8 @@ Refused, naming the conversation and the way through: a template that refuses th
 does not support: `system="fold"`), an assistant turn with no stop token after it (`stop_tokens=`), a generation
 prompt other than what the template writes before an answer in training (a thinking prompt:
 `check_generation_prompt=False`), a template that rewrites a message, and special-token text typed inside a message
-(it would be read as the control token: a stop token inside an answer teaches the model to stop there).
+(it would be read as the control token: a stop token inside an answer teaches the model to stop there; an HTML `</s>`
+or a chat log quoting `<|im_end|>` is plain text to its writer: `special_text="as_text"` encodes it so).
 """
 
 from __future__ import annotations
@@ -227,24 +228,77 @@ def overlaps(token: tuple[int, int], start: int, end: int) -> bool:
     return start <= a < end if a == b else max(a, start) < min(b, end)
 
 
-def mask(tokenizer, located: Located, stops: list[int], where: str = "") -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation (tokenized once; the template writes BOS) and the loss mask: each
-    assistant turn from its `train_start` through the first stop token after the answer.
+SPECIAL_TEXT = ("refuse", "as_text")
+"""What to do with special-token text typed inside a message: refuse the conversation, or encode it as the plain text
+it is (`tokenize`)."""
 
-    Raises:
-        SFTError: naming `where`: an assistant turn with no stop token before the next message, or special-token
-        text typed inside a message.
-    """
-    encoded = tokenizer(located.text, add_special_tokens=False, return_offsets_mapping=True)
+
+def tokenize(tokenizer, text: str, spans: list[tuple[int, int]], control: set[int], as_text: bool
+             ) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+    """`text` tokenized once (the template writes BOS): (ids, character offsets, the indices of control tokens typed
+    inside `spans`, the messages). With `as_text` each typed control token is replaced by the plain text's tokens
+    (the tokenizer's own split of special-token text, `split_special_tokens=True`), which decode to the same text:
+    the template's own control tokens stay, and the text around a typed one is tokenized as before (a special
+    token is split out of the text before the rest is tokenized), so only that token changes; nothing is then
+    reported typed."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
+    typed = [k for k, (a, b) in enumerate(offsets)
+             if ids[k] in control and a < b and any(start <= a and b <= end for start, end in spans)]
+    if not as_text or not typed:
+        return ids, offsets, typed
+    out_ids, out_offsets, last = [], [], 0
+    for k in typed:
+        a, b = offsets[k]
+        pieces = _as_plain_text(tokenizer, text[a:b], control)
+        out_ids += ids[last:k] + [i for i, _ in pieces]
+        out_offsets += offsets[last:k] + [(a + x, a + y) for _, (x, y) in pieces]
+        last = k + 1
+    return out_ids + ids[last:], out_offsets + offsets[last:], []
+
+
+def _as_plain_text(tokenizer, piece: str, control: set[int]) -> list[tuple[int, tuple[int, int]]]:
+    """(id, offsets in `piece`) of special-token text tokenized as plain text, which decode to `piece` exactly. A
+    SentencePiece tokenizer prefixes a lone piece with a word boundary (`</s>` -> "▁</", "s", ">": " </s>"), so where
+    the piece alone does not decode to itself after a word (decoding a lone piece hides that space) it is tokenized
+    after a newline, whose tokens are dropped."""
+    word = tokenizer("a", add_special_tokens=False)["input_ids"]
+    for anchor in ("", "\n"):
+        encoded = tokenizer(anchor + piece, add_special_tokens=False, split_special_tokens=True,
+                            return_offsets_mapping=True)
+        kept = [(i, (x - len(anchor), y - len(anchor))) for i, (x, y) in zip(encoded["input_ids"],
+                                                                              encoded["offset_mapping"])
+                if x >= len(anchor) and y > x]
+        ids = [i for i, _ in kept]
+        if ids and not set(ids) & control and tokenizer.decode(word + ids) == tokenizer.decode(word) + piece:
+            return kept
+    raise SFTError(f"{piece!r} cannot be encoded as the plain text it is by this tokenizer (split_special_tokens=True "
+                   f"gives no tokens that decode to it); remove or reword it in the data.")
+
+
+def mask(tokenizer, located: Located, stops: list[int], where: str = "", special_text: str = "refuse"
+         ) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation (`tokenize`) and the loss mask: each assistant turn from its
+    `train_start` through the first stop token after the answer.
+
+    Args:
+        special_text: "refuse" a message that types a special token's text, or encode it "as_text" (`tokenize`).
+    Raises:
+        SFTError: naming `where`: an assistant turn with no stop token before the next message, or (by default)
+        special-token text typed inside a message.
+    """
+    if special_text not in SPECIAL_TEXT:
+        raise SFTError(f"special_text={special_text!r}; use one of {SPECIAL_TEXT}.")
     control = set(tokenizer.all_special_ids) | set(stops)
-    for i, (start, end) in located.spans.items():
-        typed = [k for k, o in enumerate(offsets) if ids[k] in control and o[0] < o[1] and start <= o[0] and o[1] <= end]
-        if typed:
-            token = located.text[offsets[typed[0]][0]:offsets[typed[0]][1]]
-            raise SFTError(f"{where}: message {i} types {token!r}, the text of the special token {ids[typed[0]]}: "
-                           f"inside a message it would be read as that control token (a stop token inside an answer "
-                           f"teaches the model to stop there). Remove or reword it in the data.")
+    ids, offsets, typed = tokenize(tokenizer, located.text, list(located.spans.values()), control,
+                                   special_text == "as_text")
+    if typed:
+        token = located.text[offsets[typed[0]][0]:offsets[typed[0]][1]]
+        i = next(i for i, (start, end) in located.spans.items() if start <= offsets[typed[0]][0] < end)
+        raise SFTError(f"{where}: message {i} types {token!r}, the text of the special token {ids[typed[0]]}: "
+                       f"inside a message it would be read as that control token (a stop token inside an answer "
+                       f"teaches the model to stop there). Remove or reword it in the data, or encode such text as "
+                       f"the plain text it is with special_text=\"as_text\".")
     keep = [False] * len(ids)
     starts = sorted(start for start, _ in located.spans.values())
     for turn in located.turns:

@@ -2,7 +2,8 @@
 
 `hf_logits` is the reference of the logits parity (`parity`), `hf_generate` the reference of greedy and
 sampled generation (`generate`), `hf_complete` the quick look at an exported model's text,
-`hf_packed_token_losses` the reference of fine-tuning's per-token loss on packed rows (`sft`).
+`hf_packed_token_losses` the reference of fine-tuning's per-token loss on packed rows (`sft`), `peft_sft` the
+reference of LoRA training (`RunConfig.lora`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pai_cookbook.core.measures.logit_parity import hf_logits, hf_model
 from pai_cookbook.core.text.tokenizer import eos_ids
 from pai_cookbook.generate import GenerationConfig
 
-__all__ = ["TRL_RENAMED_API", "hf_complete", "hf_generate", "hf_logits", "hf_packed_token_losses", "trl_grpo",
+__all__ = ["TRL_RENAMED_API", "hf_complete", "hf_generate", "hf_logits", "hf_packed_token_losses", "peft_sft", "trl_grpo",
            "trl_reward_model"]
 
 # transformers 5's deprecations of what TRL 1.16 still calls: `gradient_checkpointing` (an argument),
@@ -50,28 +51,85 @@ def _quiet_trl() -> Iterator[None]:
 
 def hf_packed_token_losses(hf_dir: str | Path, batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
     """transformers' per-token losses [rows, seq] of each batch of packed SFT rows (`sft.batch`, `sft.load`,
-    `sft.global_batch`), fp32, padding-free.
-
-    Each row's conversations are laid end to end without padding, positions restarting at 0 for each
-    (transformers reads the boundaries from the position ids and keeps attention inside each
-    conversation), `use_cache=False`. Positions holding padding get 0.
-    """
+    `sft.global_batch`), fp32, padding-free (`_packed_losses`)."""
     model = hf_model(hf_dir)
-    out = []
     with torch.no_grad():
+        return [_packed_losses(model, batch) for batch in batches]
+
+
+def _packed_losses(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`model`'s per-token losses [rows, seq] of a batch of packed SFT rows, differentiable. Each row's
+    conversations are laid end to end without padding, positions restarting at 0 for each (transformers reads
+    the boundaries from the position ids and keeps attention inside each conversation), `use_cache=False`.
+    Positions holding padding get 0."""
+    tokens, labels, document = batch["tokens"], batch["labels"], batch["document"]
+    index = torch.arange(tokens.shape[1])
+    out = []
+    for r in range(tokens.shape[0]):
+        real = document[r] >= 0
+        starts = torch.ones_like(real)
+        starts[1:] = document[r, 1:] != document[r, :-1]
+        positions = index - torch.cummax(torch.where(starts, index, 0), 0).values  # 0 at each conversation
+        logits = model(tokens[r, real][None], position_ids=positions[real][None], use_cache=False).logits[0]
+        losses = torch.nn.functional.cross_entropy(logits.float(), labels[r, real], reduction="none")
+        out.append(torch.zeros(tokens.shape[1]).index_put((torch.nonzero(real)[:, 0],), losses))
+    return torch.stack(out)
+
+
+def peft_sft(hf_dir: str | Path, run: Any, steps: int | None = None) -> dict[str, Any]:
+    """PEFT's LoRA on transformers, trained as the cookbook trains `run` (a RunConfig of an SFT set with `lora`):
+    the library reference of LoRA training. The same global batches (`sft_data.global_batch`), each step's loss
+    the batch's weighted loss sum over its count; PEFT's adapters on the Hugging Face modules of the run's
+    targets, each A set to what the cookbook draws for it (`core.modeling.lora.full_a`, same seed) and B zero;
+    torch's AdamW with the run's betas, eps and weight decay, the gradient clipped to its global norm, and
+    transformers' cosine-to-min_lr schedule after linear warmup (Megatron-Core's: 0 at step 0 when warming up).
+
+    Returns:
+        {"losses": per step, "trainable": PEFT's trainable parameters}.
+    """
+    import re
+
+    import peft
+    from transformers import get_scheduler
+
+    from pai_cookbook.core.configs.lora import PEFT_NAMES, peft_part
+    from pai_cookbook.core.modeling.lora import full_a
+    from pai_cookbook.core.text import sft_data
+
+    lora, opt, data = run.lora, run.optimizer, run.data
+    if opt.lr_decay_style != "cosine" or data.source != "sft":
+        raise ValueError(f"the reference trains SFT sets with the cosine schedule, not {data.source}/{opt.lr_decay_style}")
+    modules = sorted(name for target in lora.targets for name in PEFT_NAMES[target])
+    model = peft.get_peft_model(hf_model(hf_dir).eval(), peft.LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=modules, bias="none"))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer):
+                layer = int(re.search(r"layers\.(\d+)\.", name).group(1)) + 1
+                a = module.lora_A["default"].weight
+                a.copy_(full_a(lora, run.seed, layer, *peft_part(name.rsplit(".", 1)[-1]), a.shape[1]))
+                module.lora_B["default"].weight.zero_()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                  weight_decay=opt.weight_decay)
+    schedule = get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=opt.lr_warmup_iters,
+                             num_training_steps=run.train_iters, scheduler_specific_kwargs={"min_lr": opt.min_lr})
+    rows, losses = sft_data.load(data.paths[0], "train"), []
+    for step in range(run.train_iters if steps is None else steps):
+        batches = sft_data.global_batch(rows, step, data.global_batch_size, data.micro_batch_size, 0, 1, run.seed,
+                                        data.loss_average)
+        count, total = max(sum(int(b["loss_count"]) for b in batches), 1), 0.0
+        optimizer.zero_grad()
         for batch in batches:
-            tokens, labels, document = batch["tokens"], batch["labels"], batch["document"]
-            losses = torch.zeros(tokens.shape, dtype=torch.float32)
-            index = torch.arange(tokens.shape[1])
-            for r in range(tokens.shape[0]):
-                real = document[r] >= 0
-                starts = torch.ones_like(real)
-                starts[1:] = document[r, 1:] != document[r, :-1]
-                positions = index - torch.cummax(torch.where(starts, index, 0), 0).values  # 0 at each conversation
-                logits = model(tokens[r, real][None], position_ids=positions[real][None], use_cache=False).logits[0]
-                losses[r, real] = torch.nn.functional.cross_entropy(logits.float(), labels[r, real], reduction="none")
-            out.append(losses)
-    return out
+            loss = (_packed_losses(model, batch) * batch["loss_mask"]).sum() / count
+            loss.backward()
+            total += loss.item()
+        if opt.clip_grad:
+            torch.nn.utils.clip_grad_norm_(trainable, opt.clip_grad)
+        optimizer.step()
+        schedule.step()
+        losses.append(total)
+    return {"losses": losses, "trainable": sum(p.numel() for p in trainable)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -78,11 +78,34 @@ TWO_PROCESSES = {
 }
 
 
+def _lora(base, **fields) -> RunConfig:
+    """`_config`'s run with LoRA adapters (rank 8, every target) on the converted tiny Llama `base`."""
+    from pai_cookbook.core.checkpoints import checkpoint
+    from pai_cookbook.core.configs.config import CheckpointConfig
+    from pai_cookbook.core.configs.lora import LoRAConfig
+
+    lora = LoRAConfig(**{k: fields.pop(k) for k in ("targets",) if k in fields})
+    return dataclasses.replace(_config(**fields), model=checkpoint.read_config(base)[0], lora=lora,
+                               checkpoint=CheckpointConfig(load_dir=str(base)))
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, tuple[RunConfig, int, list[dict]]]:
-    """name -> (config, world, every rank's measured bytes), two launches (one per world size)."""
+    """name -> (config, world, every rank's measured bytes), two launches (one per world size); the LoRA runs adapt a
+    tiny Llama converted from a Hugging Face folder."""
+    from pai_cookbook import convert
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("plan_lora")
+    base = root / "mcore"
+    convert.hf_to_megatron(make_tiny_hf_model("llama", root / "hf"), base, run_dir=root / "convert")
     out = {}
-    for world, configs in ((1, ONE_PROCESS), (2, TWO_PROCESSES)):
+    one = ONE_PROCESS | {"LoRA (the base frozen, adapters alone train)": _lora(base),
+                         "LoRA on QKV alone, bf16": _lora(base, dtype="bf16", targets=["linear_qkv"]),
+                         "LoRA bf16 full recompute": _lora(base, dtype="bf16", recompute="full")}
+    two = TWO_PROCESSES | {"LoRA TP2 SP": _lora(base, tensor_model_parallel_size=2, sequence_parallel=True),
+                           "LoRA DP2 distributed optimizer": _lora(base, distributed=True)}
+    for world, configs in ((1, one), (2, two)):
         result = launch.launch(Scenario(config=next(iter(configs.values())), scenario="layouts",
                                         layouts=list(configs.values())), nproc_per_node=world,
                                run_dir=tmp_path_factory.mktemp(f"plan{world}"), env={"PAI_COOKBOOK_LAYERS": "local"},

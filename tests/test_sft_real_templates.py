@@ -416,3 +416,45 @@ def test_masks_equal_the_reference_or_the_refusal_names_the_way_through(case, ca
     assert set(options) == EXPECTED_WAYS.get(case.id, set()), (
         f"{case.id}: the way through took {sorted(options)}, expected {sorted(EXPECTED_WAYS.get(case.id, set()))}; "
         f"{outcome}")
+
+
+TYPED = ["llama-3.1", "qwen3", "mistral-nemo", "gemma-4"]
+
+
+@pytest.mark.parametrize("case_id", TYPED)
+def test_special_token_text_typed_in_a_message_is_refused_or_kept_as_plain_text(case_id, cache, tmp_path, monkeypatch):
+    """A user quoting a chat log and an answer writing HTML type the text of the model's own turn-end token. By
+    default the conversation is refused, naming `special_text="as_text"`; with it the typed text is encoded as plain
+    text: the ids decode to the rendering, hold only the stop tokens the template writes (as many as the same
+    conversation without the typed text), and the answer is trained whole (after Qwen3's generated <think> block),
+    through its real stop token."""
+    case = next(c for c in real_templates.MATRIX if c.id == case_id)
+    folder = _folder(case)
+    monkeypatch.setattr(tokenizers, "load", _load)
+    tokenizer = _load(folder)
+
+    def talk(typed: str) -> dict:
+        return {"line": 1, "messages": [
+            {"role": "user", "content": f"My log shows '{typed}' after each reply. What is it?"},
+            {"role": "assistant", "content": f"<p>{typed} is the text of the token that ends a turn.</p>"}]}
+
+    ways = EXPECTED_WAYS.get(case_id, set())  # Gemma 4's: its turn end and thinking prompt (test above)
+    options = ({"stop_tokens": [case.turn_end]} if "stop_tokens" in ways else {}) | (
+        {"check_generation_prompt": False} if "check_generation_prompt" in ways else {})
+    typed = talk(case.turn_end)
+    with pytest.raises(sft.SFTError, match=r"line 1: message \d types .*special_text=\"as_text\""):
+        sft.prepare([typed, typed | {"line": 2}], tmp_path / "refused", folder, seq_length=SEQ_LENGTH, **options)
+    summary = sft.prepare([typed, typed | {"line": 2}], tmp_path / "kept", folder, seq_length=SEQ_LENGTH,
+                          special_text="as_text", **options)
+    assert summary["counts"]["special_as_text"] == [1, 2] and not summary["audit"]["mismatched_lines"]
+    stops = set(tokenizer.convert_tokens_to_ids(options["stop_tokens"]) if "stop_tokens" in options
+                else _their_stop_ids(tokenizer, folder))
+    checks = {"check_generation_prompt": options.get("check_generation_prompt", True)}
+    sample = sft.encode(tokenizer, typed, None, stop_ids=sorted(stops), special_text="as_text", **checks)
+    plain = sft.encode(tokenizer, talk("EOT"), None, stop_ids=sorted(stops), **checks)
+    from pai_cookbook import chat_template
+
+    assert tokenizer.decode(sample.ids) == chat_template.render(tokenizer, typed["messages"], None)
+    assert sum(i in stops for i in sample.ids) == sum(i in stops for i in plain.ids) >= 1
+    trained = tokenizer.decode([i for i, m in zip(sample.ids, sample.loss_mask) if m])
+    assert typed["messages"][1]["content"] in trained and trained.endswith(case.turn_end), trained

@@ -111,6 +111,8 @@ def test_training_flops_are_six_per_weight_plus_attention(family):
         matmul_weights += model.vocab_size * model.hidden_size
     attention = 12 * model.num_layers * seq * model.num_attention_heads * model.head_dim
     assert training_flops_per_token(model, seq) == 6 * matmul_weights + attention
+    # LoRA's frozen base: no weight-gradient GEMM, 4 FLOPs per weight (forward and the input's gradient)
+    assert training_flops_per_token(model, seq, frozen_weights=True) == 4 * matmul_weights + attention
 
 
 def test_latent_attention_flops_count_its_latents_and_narrow_values():

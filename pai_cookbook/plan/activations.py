@@ -23,6 +23,15 @@ kv = groups x head_dim, f = ffn:
 - first stage: the token ids (s b x 8, and the vocabulary mask s b at TP > 1); last stage: the final norm, the output
   layer's input, the loss's exp(logits) in fp32 s b V/t x 4 and its targets (s b x 13) and the loss mask (s b x 4).
 
+LoRA (`Workload.lora`, the base frozen: `lora_bytes`): a norm with a frozen weight keeps its fp32 input and 1/rms but
+not the normalised input (only its weight's gradient needed it); the first layer's first norm, whose input (the
+frozen embedding's output) needs no gradient, keeps nothing (under full recompute the embedding's output is made to
+need one, so that the recomputed layers' adapters get theirs); Megatron-Core's frozen linears keep no input
+(`linear_with_frozen_weight`): the adapters' A keeps it instead, so a linear without an adapter drops it (the norm
+outputs before QKV and FC1, the product before FC2; the kernel keeps its output for attention's projection), and the
+frozen output layer drops its input. Each adapter keeps A's output for B: s b (parts x r) e where a column-parallel
+layer gathers it, s_n b r e after a row-parallel layer's reduction.
+
 Recompute: selective (core_attn) drops the kernel's log-sum-exp (with a flash kernel nothing else: q, k, v and the
 output are saved anyway), full keeps each checkpoint's input (s_n b h e) and the rotary frequencies (s head_dim x 4,
 one tensor per rank: Megatron-Core caches it), and recomputes one group of layers in backward, whose activations then
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import ModelConfig
 from pai_cookbook.plan.layouts import Layout, Workload
 from pai_cookbook.plan.states import DTYPE_BYTES, chunk_layers, is_first, is_last, is_moe_layer
@@ -141,17 +151,46 @@ def layer_bytes(model: ModelConfig, layout: Layout, x: Dims, layer: int) -> int:
     return saved + mlp_bytes(model, layout, x, model.ffn_hidden_size)
 
 
+def lora_bytes(model: ModelConfig, layout: Layout, x: Dims, lora: LoRAConfig, layer: int, first: bool) -> int:
+    """What one layer saves with LoRA beyond (or, negative, short of) `layer_bytes` (module doc); `first`: the first
+    layer of the model, whose input needs no gradient."""
+    tokens, norm_tokens, h = x.s * x.b, x.s_norm * x.b, model.hidden_size
+    normalised = norm_tokens * h * FP32
+    targets = set(lora.targets) - ({"linear_qkv"} if model.multi_latent_attention else set())
+    dense = not is_moe_layer(model, layer)
+    if not dense:
+        targets -= {"linear_fc1", "linear_fc2"}
+    delta = -2 * normalised
+    if first:  # the first norm keeps nothing but its output (what QKV's adapter keeps)
+        delta -= normalised + norm_tokens * FP32
+    parts = {"linear_qkv": 3, "linear_fc1": 2 if model.activation == "swiglu" else 1}
+    for target in targets:
+        if target in parts:
+            delta += tokens * parts[target] * lora.rank * x.e
+        else:
+            delta += norm_tokens * lora.rank * x.e
+    if "linear_qkv" not in targets and not model.multi_latent_attention:
+        delta -= norm_tokens * h * x.e
+    if dense and "linear_fc1" not in targets:
+        delta -= norm_tokens * h * x.e
+    if dense and "linear_fc2" not in targets:
+        delta -= tokens * model.ffn_hidden_size // layout.tp * x.e
+    return delta
+
+
 def embedding_bytes(layout: Layout, x: Dims) -> int:
     tokens = x.s * x.b
     return tokens * INT64 + (tokens * BOOL if layout.tp > 1 else 0)
 
 
-def head_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
-    """The last stage's final norm, output-layer input, and the loss over the vocabulary (fp32 exp(logits))."""
+def head_bytes(model: ModelConfig, layout: Layout, x: Dims, frozen: bool = False) -> int:
+    """The last stage's final norm, output-layer input, and the loss over the vocabulary (fp32 exp(logits)); `frozen`
+    (LoRA): the norm's fp32 input and 1/rms alone (module doc)."""
     tokens = x.s * x.b
     vocab = model.padded_vocab_size(layout.tp) // layout.tp
     loss = tokens * vocab * FP32 + tokens * (INT64 + BOOL) + tokens * FP32 + FP32
-    return norm_bytes(model, x) + loss
+    norm = x.s_norm * x.b * (model.hidden_size + 1) * FP32 if frozen else norm_bytes(model, x)
+    return norm + loss
 
 
 @dataclass(frozen=True)
@@ -167,8 +206,15 @@ class Chunk:
 def chunk_bytes(model: ModelConfig, layout: Layout, workload: Workload, pp_rank: int, chunk: int) -> Chunk:
     x = dims(layout, workload)
     layers = list(chunk_layers(model, layout, pp_rank, chunk))
-    head = head_bytes(model, layout, x) if is_last(layout, pp_rank, chunk) else 0
+    lora = workload.lora
+    head = head_bytes(model, layout, x, lora is not None) if is_last(layout, pp_rank, chunk) else 0
     forward = head + (embedding_bytes(layout, x) if is_first(layout, pp_rank, chunk) else 0)
+
+    def lora_delta(group: list[int]) -> int:
+        # under full recompute the embedding's output is made to need a gradient (core.modeling.lora)
+        first = layout.recompute != "full"
+        return sum(lora_bytes(model, layout, x, lora, n, first and n == 0) for n in group) if lora is not None else 0
+
     recompute = 0
     if layout.recompute == "full":
         g = layout.recompute_num_layers
@@ -177,9 +223,10 @@ def chunk_bytes(model: ModelConfig, layout: Layout, workload: Workload, pp_rank:
         groups = [layers[i:i + g] for i in range(0, len(layers), g)]
         # in fp32 the first norm saves the checkpoint's input itself, which is already held
         shared_input = checkpoint_input if x.e == FP32 else 0
-        recompute = max(sum(layer_bytes(model, layout, x, n) for n in group) for group in groups) - shared_input
+        recompute = max(sum(layer_bytes(model, layout, x, n) for n in group) + lora_delta(group)
+                        for group in groups) - shared_input
     else:
-        forward += sum(layer_bytes(model, layout, x, n) for n in layers)
+        forward += sum(layer_bytes(model, layout, x, n) for n in layers) + lora_delta(layers)
     return Chunk(forward=forward, head=head, recompute=recompute)
 
 

@@ -24,6 +24,7 @@ from pai_cookbook.core.configs.config import (
     RunConfig,
 )
 from pai_cookbook.core.configs.layout import divisors
+from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import require
 
 Recompute = Literal["selective", "full"] | None
@@ -75,6 +76,8 @@ class Workload:
     seq_length: int
     global_batch_size: int
     dtype: Literal["bf16", "fp32"] = "bf16"
+    lora: LoRAConfig | None = None
+    """LoRA adapters on the frozen model (`RunConfig.lora`): only they have gradients and optimizer state."""
 
     def micro_batches(self, layout: Layout, world: int) -> int:
         """Micro-batches per step on one data-parallel rank: global / (micro x DP)."""
@@ -106,7 +109,7 @@ def from_run_config(config: RunConfig) -> tuple[Layout, Workload]:
                     distributed_optimizer=config.optimizer.use_distributed_optimizer)
     require(config.precision.dtype in ("bf16", "fp32"), f"the plan models bf16 and fp32, got {config.precision.dtype}.")
     return layout, Workload(seq_length=config.data.seq_length, global_batch_size=config.data.global_batch_size,
-                            dtype=config.precision.dtype)
+                            dtype=config.precision.dtype, lora=config.lora)
 
 
 def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) -> None:

@@ -2,8 +2,9 @@
 the layout adds, shown apart (docs/planning.md has each formula).
 
 - compute: model FLOPs of a global batch (`core.modeling.model.training_flops_per_token`, the count `workers.run_state` logs MFU
-  with) over world x datasheet peak x the GPU's calibrated MFU (`plan.hardware`). The MFU was measured on one GPU, so
-  it includes no communication: every term below is added on top;
+  with; with LoRA no weight-gradient GEMMs for the frozen base) over world x datasheet peak x the GPU's calibrated MFU
+  (`plan.hardware`). The MFU was measured on one GPU, so it includes no communication: every term below is added on
+  top;
 - recompute: full recompute runs every layer's forward again (the forward FLOPs less the output layer's); selective
   (core attention) the attention scores' forward, 4 s q FLOPs per token and layer;
 - tp: 2 collectives of s b h e bytes per layer in forward and 2 in backward (all-reduces, or all-gather +
@@ -14,9 +15,10 @@ the layout adds, shown apart (docs/planning.md has each formula).
   backward;
 - pp_bubble: (PP - 1) / (VPP x micro-batches) of a stage's step time; pp_p2p: one activation forward and one gradient
   back per micro-batch and chunk boundary;
-- dp: the fp32 gradient buffer all-reduced (2 (d - 1)/d of it), or reduce-scattered and the weights all-gathered with
-  the distributed optimizer, after the last micro-batch (the worker does not overlap it), over NVLink when the DP
-  group stays inside a node (Megatron-Core orders ranks TP, CP, EP, DP, PP: a DP group spans TP x CP x DP ranks).
+- dp: the fp32 gradient buffer (with LoRA, the adapters') all-reduced (2 (d - 1)/d of it), or reduce-scattered and the
+  weights all-gathered with the distributed optimizer, after the last micro-batch (the worker does not overlap it), over
+  NVLink when the DP group stays inside a node (Megatron-Core orders ranks TP, CP, EP, DP, PP: a DP group spans TP x CP
+  x DP ranks).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     world, gpu = cluster.world_size, cluster.gpu
     tokens = workload.global_batch_size * workload.seq_length
     rate = world * gpu.peak_flops(workload.dtype) * gpu.mfu  # model FLOP/s of the whole cluster
-    compute = tokens * training_flops_per_token(model, workload.seq_length) / rate
+    compute = tokens * training_flops_per_token(model, workload.seq_length, workload.lora is not None) / rate
     recompute = tokens * recompute_flops_per_token(model, layout, workload.seq_length) / rate
     e = states.DTYPE_BYTES[workload.dtype]
     micro = workload.micro_batches(layout, world)
@@ -103,7 +105,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     dp = 0.0
     d = layout.dp(world) * layout.cp
     if d > 1:
-        params = states.states(model, layout, workload, world, 0).params
+        params = states.states(model, layout, workload, world, 0).trainable  # LoRA: the adapters alone
         span = layout.tp * layout.cp * layout.dp(world)
         moved = (params * states.GRAD_BYTES + params * e) if layout.distributed_optimizer else 2 * params * 4
         dp = (d - 1) / d * moved / cluster.bandwidth(span)

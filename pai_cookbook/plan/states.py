@@ -12,6 +12,9 @@ those, norms and the router are whole on every rank). From that list:
   bytes), + one fp32 step counter per parameter tensor (torch's Adam). The distributed optimizer keeps only this rank's
   1 / DP shard of each buffer (dense over DP x CP, experts over the expert-DP group), padding excluded.
 
+With LoRA (`Workload.lora`) the base's parameters are frozen: they are weights alone, outside DDP's buffers, and only
+the adapters (`adapter_params`) have a gradient buffer and optimizer state.
+
 Megatron-LM's `theoretical_memory_usage.py` uses 18 bytes per parameter (6 + 12 / DP with the distributed
 optimizer): bf16 weights 2 + fp32 grads 4 + fp32 main 4 + Adam 8. The same sum, without the padding and step counters.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import ModelConfig
 from pai_cookbook.plan.layouts import Layout, Workload
 
@@ -128,6 +132,31 @@ def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -
     return ChunkParams(dense=tuple(dense), expert=tuple(expert), shared_embedding=shared)
 
 
+def adapter_params(model: ModelConfig, layout: Layout, lora: LoRAConfig, pp_rank: int, chunk: int) -> list[int]:
+    """The LoRA adapters' tensors (numel each) of this chunk on one rank, as `core.modeling.lora.add_adapters` builds
+    them: per target, A whole on every rank for a column-parallel layer (its parts' A stacked) and split over TP for a
+    row-parallel one; each part's B split over TP for a column-parallel layer, whole for a row-parallel one. Dense
+    MLPs only (an MoE layer's experts take no adapter); multi-latent attention has no fused QKV."""
+    m, t, r = model, layout.tp, lora.rank
+    h, f = m.hidden_size, m.ffn_hidden_size
+    gated = m.activation == "swiglu"
+    heads = m.num_attention_heads
+    out: list[int] = []
+    for layer in chunk_layers(model, layout, pp_rank, chunk):
+        if "linear_qkv" in lora.targets and not m.multi_latent_attention:
+            kv = m.query_groups * m.head_dim
+            out += [3 * r * h, heads * m.head_dim // t * r, kv // t * r, kv // t * r]
+        if "linear_proj" in lora.targets:
+            out += [r * heads * (m.v_head_dim if m.multi_latent_attention else m.head_dim) // t, h * r]
+        if is_moe_layer(model, layer):
+            continue
+        if "linear_fc1" in lora.targets:
+            out += [(1 + gated) * r * h] + [f // t * r] * (1 + gated)
+        if "linear_fc2" in lora.targets:
+            out += [r * f // t, h * r]
+    return out
+
+
 def _pad(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -161,6 +190,8 @@ class States:
     optimizer: int
     params: int
     """Parameters (elements) this rank holds, without padding."""
+    trainable: int
+    """Of them, those with a gradient: all of them, or with LoRA the adapters'."""
 
 
 def states(model: ModelConfig, layout: Layout, workload: Workload, world: int, pp_rank: int) -> States:
@@ -168,19 +199,23 @@ def states(model: ModelConfig, layout: Layout, workload: Workload, world: int, p
     e = DTYPE_BYTES[workload.dtype]
     dist = layout.distributed_optimizer
     per_param = ADAM_BYTES + (MAIN_PARAM_BYTES if workload.dtype != "fp32" else 0)
-    weights = grads = optimizer = params = 0
+    weights = grads = optimizer = params = trainable = 0
     groups = {"dense": layout.dp(world) * layout.cp, "expert": layout.expert_dp(world)}
     for chunk in range(layout.vpp or 1):
         p = chunk_params(model, layout, pp_rank, chunk)
+        if workload.lora is not None:  # the base is frozen weights; the adapters are what DDP and Adam hold
+            frozen = sum(p.dense) + sum(p.expert) + p.shared_embedding
+            weights, params = weights + frozen * e, params + frozen
+            p = ChunkParams(dense=tuple(adapter_params(model, layout, workload.lora, pp_rank, chunk)), expert=())
         for kind, sizes, shared in (("dense", p.dense, p.shared_embedding), ("expert", p.expert, 0)):
             if not sizes and not shared:
                 continue
             group = groups[kind]
             numel = buffer_numel(sizes, group, dist, shared)
             unpadded, tensors = sum(sizes) + shared, len(sizes) + bool(shared)
-            params += unpadded
+            params, trainable = params + unpadded, trainable + unpadded
             weights += (numel if dist else unpadded) * e
             grads += numel * GRAD_BYTES
             share = optimizer_share(layout, group)
             optimizer += round((unpadded * per_param + tensors * STEP_COUNTER_BYTES) * share)
-    return States(weights=weights, gradients=grads, optimizer=optimizer, params=params)
+    return States(weights=weights, gradients=grads, optimizer=optimizer, params=params, trainable=trainable)

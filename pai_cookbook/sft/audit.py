@@ -16,13 +16,15 @@ from pai_cookbook.sft.records import Sample, template_text
 # Looking at the data and at what the model learnt
 # --------------------------------------------------------------------------------------------------
 def audit(tokenizer, samples: Sequence[Sample], conversations: Sequence[dict[str, Any]], template: str | None = None,
-          *, stop_ids: list[int] | None = None, system: str = "keep") -> dict[str, Any]:
+          *, stop_ids: list[int] | None = None, system: str = "keep", special_text: str = "refuse") -> dict[str, Any]:
     """What the loss masks train, checked token by token against a second, independent placing of the answers: the
     conversation is rendered and tokenized again, each answer found by searching its text forward from the message
     before, and each generation prompt (what `add_generation_prompt=True` adds) searched before it. A turn's trained
     tokens must be exactly those from the end of its generation prompt (the answer's first token when the prompt is
     not there) through the first stop token after the answer, however the boundaries merge; nothing else is trained,
-    and no sample starts with two BOS tokens. A mismatch names the line, the turn and the tokens on both sides."""
+    and no sample starts with two BOS tokens. A mismatch names the line, the turn and the tokens on both sides.
+    With `special_text="as_text"` special-token text inside the messages found is read as plain text, as `encode`
+    reads it."""
     by_line = {c["line"]: c for c in conversations}
     if len(by_line) != len(conversations):
         raise SFTError("conversations share line numbers; give each a distinct \"line\" (or none: sft.prepare numbers them).")
@@ -43,7 +45,7 @@ def audit(tokenizer, samples: Sequence[Sample], conversations: Sequence[dict[str
             continue
         messages = by_line[sample.line]["messages"]
         messages = chat.fold_system(messages) if system == "fold" else messages
-        expected, turns = _expected_mask(tokenizer, messages, template, stops)
+        expected, turns = _expected_mask(tokenizer, messages, template, stops, special_text == "as_text")
         out["assistant_turns"] += turns
         out["stop_tokens_trained"] += sum(m and i in stops for i, m in zip(sample.ids, sample.loss_mask))
         if expected is None or expected[0] != sample.ids or expected[1] != sample.loss_mask:
@@ -54,12 +56,18 @@ def audit(tokenizer, samples: Sequence[Sample], conversations: Sequence[dict[str
     return out
 
 
-def _expected_mask(tokenizer, messages: list[dict], template: str | None, stops: list[int]):
+def _expected_mask(tokenizer, messages: list[dict], template: str | None, stops: list[int], as_text: bool = False):
     """(ids, mask) by the audit's own placing (`audit`), and the number of assistant turns; (None, n) when an
     answer or its stop token is not found."""
     text = chat.render(tokenizer, messages, template)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
+    spans, pos = [], 0
+    for message in messages if as_text else []:  # each message's text searched forward, as the answers are below
+        core = message["content"].strip()
+        at = text.find(core, pos) if core else -1
+        if at >= 0:
+            spans.append((at, at + len(core)))
+            pos = at + len(core) if message["role"] != "system" else pos
+    ids, offsets, _ = chat.tokenize(tokenizer, text, spans, set(tokenizer.all_special_ids) | set(stops), as_text)
     mask, turns, pos = [False] * len(ids), 0, 0
     for i, message in enumerate(messages):
         core = message["content"].strip()

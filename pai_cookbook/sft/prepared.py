@@ -31,8 +31,8 @@ SPLITS = ("train", "valid")
 @nodes.node0_only
 def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, tokenizer_dir: str | Path, *,
             seq_length: int, template: str | None = None, system: str = "keep", stop_tokens: list[str] | None = None,
-            check_generation_prompt: bool = True, truncation: str = "drop", packed: bool = True,
-            valid_fraction: float = 0.05, seed: int = 0) -> dict[str, Any]:
+            check_generation_prompt: bool = True, special_text: str = "refuse", truncation: str = "drop",
+            packed: bool = True, valid_fraction: float = 0.05, seed: int = 0) -> dict[str, Any]:
     """Encode, split and pack a conversation set into `out_dir` (train.safetensors, valid.safetensors and
     sft.json), the folder a `DataConfig(source="sft", paths=[out_dir])` trains on. Everything that can be
     wrong with the data is found here, in this process, before any worker starts.
@@ -48,6 +48,8 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
             ids and the tokenizer's eos (`chat_template.stop_ids`).
         check_generation_prompt: False accepts a template whose generation prompt is not what it writes before an
             answer in training (a thinking prompt): the answers are trained as written.
+        special_text: "refuse" a conversation whose message types a special token's text (it would be read as
+            the control token), or encode such text "as_text" (the lines are counted in `counts.special_as_text`).
         truncation: "drop" or "truncate" conversations longer than seq_length + 1 tokens.
         packed: pack conversations into rows (first-fit decreasing); False: one per row, padded.
         valid_fraction: conversations held out (seeded shuffle) for the validation loss.
@@ -82,7 +84,8 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
     hf = tokenizers.load(tokenizer_dir)
     text = template_text(template) or hf.chat_template
     stops = chat.stop_ids(hf, tokenizer_dir, stop_tokens)
-    options = {"stop_ids": stops, "system": system, "check_generation_prompt": check_generation_prompt}
+    options = {"stop_ids": stops, "system": system, "check_generation_prompt": check_generation_prompt,
+               "special_text": special_text}
     samples, counts = encode_all(hf, conversations, seq_length, template, truncation, **options)
     if counts.disagreements:
         raise SFTError(f"lines {counts.disagreements[:10]}: transformers' assistant mask and the cookbook's "
@@ -97,7 +100,7 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
         raise SFTError(f"{len(samples)} of {counts.conversations} conversations are left to train on; need at "
                        f"least {2 if valid_fraction > 0 else 1} (one held out when valid_fraction > 0). Raise "
                        f"seq_length or use truncation='truncate'.")
-    checked = audit(hf, samples, conversations, template, stop_ids=stops, system=system)
+    checked = audit(hf, samples, conversations, template, stop_ids=stops, system=system, special_text=special_text)
     if checked["mismatched_lines"]:
         raise SFTError(f"lines {checked['mismatched_lines'][:10]}: the trained tokens differ from the audit's second "
                        f"placing of the answers ({'; '.join(checked['mismatches'][:2])}); the template writes text "
@@ -110,7 +113,7 @@ def prepare(source: str | Path | Sequence[dict[str, Any]], out_dir: str | Path, 
              "valid": [samples[i] for i in sorted(order[:held_out])]}
     meta = {"truncation": truncation, "template": template if template is None or template in TEMPLATES else "custom",
             "chat_template": text, "system": system, "stop_tokens": hf.convert_ids_to_tokens(stops),
-            "check_generation_prompt": check_generation_prompt,
+            "check_generation_prompt": check_generation_prompt, "special_text": special_text,
             "tokenizer": str(Path(tokenizer_dir).resolve()), "tokenizer_sha256": tokenizers.fingerprint(tokenizer_dir),
             "vocab_size": len(hf), "counts": asdict(counts), "audit": checked}
     pad_id = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
@@ -207,7 +210,8 @@ def check_for_training(run: Any) -> None:
     load_dir = run.checkpoint.load_dir
     expected = tokenizers.fingerprint(Path(load_dir) / checkpoint.HF_ASSETS) if load_dir else None
     if expected and summary.get("tokenizer_sha256") != expected:
-        raise SFTError(f"{folder} was tokenized with {summary['tokenizer']}, not with the tokenizer of {load_dir}; "
+        raise SFTError(f"{folder} was tokenized with {summary.get('tokenizer', 'a tokenizer it does not name')}, not "
+                       f"with the tokenizer of {load_dir}; "
                        f"prepare it again with tokenizer_dir={Path(load_dir) / checkpoint.HF_ASSETS}.")
     if summary["train"]["rows"] < run.data.global_batch_size:
         raise SFTError(f"{folder} packs into {summary['train']['rows']} training rows, fewer than one global batch "

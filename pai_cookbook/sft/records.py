@@ -49,6 +49,8 @@ class Sample:
     """Whether transformers' assistant mask equals the cookbook's (None: the template has no markers)."""
     truncated: bool = False
     """Cut at seq_length + 1 tokens (`encode_all` with truncation="truncate")."""
+    special_as_text: bool = False
+    """A message typed a special token's text, encoded as plain text (`special_text="as_text"`)."""
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Counts:
     """Lines whose template mask and the cookbook's differ."""
     dropped_lines: list[int] = field(default_factory=list)
     """Lines of the conversations dropped (too long, or no loss token left)."""
+    special_as_text: list[int] = field(default_factory=list)
+    """Lines whose typed special-token text was encoded as plain text (`special_text="as_text"`)."""
 
 
 def read(path: str | Path) -> list[dict[str, Any]]:
@@ -135,7 +139,7 @@ def _where(conversation: dict[str, Any]) -> str:
 
 
 def encode(tokenizer, conversation: dict[str, Any], template: str | None = None, *, stop_ids: list[int] | None = None,
-           system: str = "keep", check_generation_prompt: bool = True) -> Sample:
+           system: str = "keep", check_generation_prompt: bool = True, special_text: str = "refuse") -> Sample:
     """One conversation rendered and tokenized once, with its answer-only loss mask (`chat_template`: each assistant
     turn from the end of its generation prompt through its stop token), cross-checked against transformers'
     assistant mask where the template marks assistant turns with `{% generation %}`.
@@ -145,6 +149,9 @@ def encode(tokenizer, conversation: dict[str, Any], template: str | None = None,
             ids in the folder the tokenizer was loaded from, and the tokenizer's eos.
         system: "keep", or "fold" the system message into the first user turn (templates without a system role).
         check_generation_prompt: refuse a template whose generation prompt is not what it writes before an answer.
+        special_text: "refuse" a message that types a special token's text (`<|im_end|>`, `</s>`), or encode it
+            "as_text": the plain text's tokens (`chat_template.tokenize`; transformers' mask is then not compared,
+            as its ids read the text as the control token).
     Raises:
         SFTError: naming the conversation's line and the way through (`chat_template`'s refusals).
     """
@@ -159,13 +166,14 @@ def encode(tokenizer, conversation: dict[str, Any], template: str | None = None,
         messages = chat.fold_system(messages)
     stops = stop_ids if stop_ids is not None else chat.stop_ids(tokenizer)
     located = chat.locate(tokenizer, messages, template, where, check_generation_prompt)
-    ids, mask = chat.mask(tokenizer, located, stops, where)
-    agrees = None
-    if "{% generation %}" in (template or tokenizer.chat_template or ""):
+    ids, mask = chat.mask(tokenizer, located, stops, where, special_text)
+    agrees, as_text = None, special_text == "as_text" and ids != tokenizer(located.text, add_special_tokens=False).input_ids
+    if "{% generation %}" in (template or tokenizer.chat_template or "") and not as_text:
         marked = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                                return_assistant_tokens_mask=True)
         agrees = marked["input_ids"] == ids and [bool(m) for m in marked["assistant_masks"]] == mask
-    return Sample(ids=ids, loss_mask=mask, line=conversation.get("line", 0), template_agrees=agrees)
+    return Sample(ids=ids, loss_mask=mask, line=conversation.get("line", 0), template_agrees=agrees,
+                  special_as_text=as_text)
 
 
 def encode_all(tokenizer, conversations: Sequence[dict[str, Any]], seq_length: int, template: str | None = None,
@@ -181,6 +189,8 @@ def encode_all(tokenizer, conversations: Sequence[dict[str, Any]], seq_length: i
     counts, samples = Counts(conversations=len(conversations)), []
     for conversation in conversations:
         sample = encode(tokenizer, conversation, template, **options)
+        if sample.special_as_text:
+            counts.special_as_text.append(sample.line)
         if sample.template_agrees is not None:
             counts.cross_checked += 1
             if not sample.template_agrees:

@@ -45,8 +45,8 @@ def _with_adapters(ckpt: Path, parallel: ParallelConfig, device, base_weights: b
             chunks = build_model(model, parallel, precision, device, run.seed, initialize=False)
             lora.add_adapters(chunks, run.lora, run.seed)
         for _, adapter in lora.adapters(chunks):  # real tensors for the adapters alone, filled by the load below
-            adapter.lora_A = torch.nn.Parameter(torch.empty(adapter.lora_A.shape, dtype=adapter.lora_A.dtype))
-            adapter.lora_B = torch.nn.Parameter(torch.empty(adapter.lora_B.shape, dtype=adapter.lora_B.dtype))
+            for name, meta in list(adapter.named_parameters(recurse=False)):
+                setattr(adapter, name, torch.nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype)))
     checkpoint.load(chunks, ckpt)  # a model with adapters asks for the adapters alone
     return chunks, run, base, model, dtype
 
@@ -63,8 +63,9 @@ def merge(ckpt: Path, out: Path, parallel: ParallelConfig, device) -> dict[str, 
 
 def export_peft(ckpt: Path, out: Path, device) -> dict[str, Any]:
     """`ckpt`'s adapters as a Hugging Face PEFT adapter: adapter_model.safetensors (one lora_A and lora_B per Hugging
-    Face module: the fused QKV and gate/up adapters' B split by the rows the conversion splits their weights by, their
-    shared A copied to each) and adapter_config.json, for `peft.PeftModel.from_pretrained` on the base's export."""
+    Face module: a fused layer's part i is its rows of A, and its B laid out as the fused weight, then split by the
+    conversion's own split of that weight) and adapter_config.json, for `peft.PeftModel.from_pretrained` on the
+    base's export."""
     from safetensors.torch import save_file
 
     chunks, run, base, model, _ = _with_adapters(ckpt, ParallelConfig(), device, base_weights=False)
@@ -72,12 +73,16 @@ def export_peft(ckpt: Path, out: Path, device) -> dict[str, Any]:
     tensors, modules = {}, set()
     for name, adapter in lora.adapters(chunks):
         kind, hf_weights = hf_mapping.hf_names(f"{name}.weight", model)
-        a = adapter.lora_A.detach().float().contiguous()
-        for hf_weight, b in zip(hf_weights, hf_mapping.to_hf(kind, adapter.lora_B.detach().float(), model)):
+        a = adapter.lora_A.detach().float().split(config.rank)
+        b = [getattr(adapter, name).detach().float() for name in adapter.b_names]
+        if len(hf_weights) != len(b):
+            raise ValueError(f"{name}: {len(b)} adapter parts for {len(hf_weights)} Hugging Face tensors {hf_weights}")
+        for i, hf_weight in enumerate(hf_weights):
+            alone = adapter.fuse([p.T if j == i else torch.zeros_like(p.T) for j, p in enumerate(b)]).T
             module = hf_weight.removesuffix(".weight")
             modules.add(module.rsplit(".", 1)[-1])
-            tensors[f"base_model.model.{module}.lora_A.weight"] = a.clone()
-            tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous().clone()
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a[i].contiguous().clone()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = hf_mapping.to_hf(kind, alone, model)[i].contiguous()
     save_file(tensors, str(out / "adapter_model.safetensors"))
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": config.alpha,

@@ -28,7 +28,8 @@ class StepLog:
 
     def __init__(self, config: RunConfig, device: DeviceInfo, fresh: bool, log_dir: str | Path | None = None):
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
-        self.flops_per_token = training_flops_per_token(config.model, config.data.seq_length)
+        self.flops_per_token = training_flops_per_token(config.model, config.data.seq_length,
+                                                        frozen_weights=config.lora is not None)
         # MFU as the field reports it: model FLOP/s over the GPUs' datasheet dense peak for the precision of the
         # GEMMs (None on a CPU or a GPU the table lacks). Beside it, under its own name, the fraction of the measured
         # matmul peak: every rank measures its own device (and threads), and the world's figure is their sum.

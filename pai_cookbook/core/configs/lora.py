@@ -15,10 +15,21 @@ from pai_cookbook.core.machine import build
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The parallel linears of Megatron-Core's GPT layer that can take an adapter: attention's fused query/key/value and
 output projections, the MLP's first (gate and up, fused) and second linears."""
+PARTS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
+"""The projections a fused target holds, in the order of its rows (a gated FC1; a plain one is one projection): each
+gets an adapter of its own, as each Hugging Face module does under PEFT."""
 PEFT_NAMES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
               "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-"""Hugging Face's module names for each target (Llama's, which Mistral, Qwen and the other families the cookbook
-converts share): what an exported PEFT adapter's `target_modules` lists."""
+"""Hugging Face's module names for each target's parts (Llama's, which Mistral, Qwen and the other families the
+cookbook converts share): what an exported PEFT adapter's `target_modules` lists."""
+
+
+def peft_part(module: str) -> tuple[str, int]:
+    """(target, part index) of a Hugging Face module name (`q_proj` is part 0 of `linear_qkv`)."""
+    for target, names in PEFT_NAMES.items():
+        if module in names:
+            return target, names.index(module)
+    raise ValueError(f"{module!r} is none of PEFT's LoRA modules here ({sorted(sum(PEFT_NAMES.values(), ()))})")
 
 
 @dataclass(kw_only=True)
@@ -48,11 +59,12 @@ class LoRAConfig:
     def check(self, model) -> None:
         """Refuse adapters the model (a `ModelConfig`) has no place for, or a rank above a target's width."""
         h, f, heads = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+        # (in, out) of each target's narrowest part: a key/value projection is query_groups heads wide
         present = {"linear_proj": (heads * (model.v_head_dim if model.multi_latent_attention else model.head_dim), h)}
         if not model.multi_latent_attention:  # multi-latent attention's projections have other names
-            present["linear_qkv"] = (h, (heads + 2 * model.query_groups) * model.head_dim)
+            present["linear_qkv"] = (h, model.query_groups * model.head_dim)
         if not model.is_moe or not all(model.moe_flags):  # dense MLPs (an MoE layer's experts take no adapter here)
-            present |= {"linear_fc1": (h, 2 * f if model.activation == "swiglu" else f), "linear_fc2": (f, h)}
+            present |= {"linear_fc1": (h, f), "linear_fc2": (f, h)}
         found = [t for t in self.targets if t in present]
         require(found, f"LoRA targets {list(self.targets)}: none is in this {model.family} model (it has "
                        f"{sorted(present)}); target those.")

@@ -1,22 +1,28 @@
 """LoRA adapters on Megatron-Core's parallel linears, sharded as the layer they adapt (`LoRALinear`, `add_adapters`),
 and what turns them into weights (`merge`).
 
-A linear y = W x of a tensor-parallel layer gets y = W x + (alpha / r) B (A x), W frozen:
-- a **column-parallel** layer (QKV, FC1) splits W by its output rows over TP, so B is split the same way
-  ([out / TP, r] per rank) and A is whole on every rank ([r, in]). A's output is the same on every rank; its gradient
-  sums every rank's B part (`copy_to_tensor_model_parallel_region`: identity forward, all-reduce backward). With
-  sequence parallelism the layer's input is a slice of the sequence: A runs on the slice, and its output is gathered
-  over the sequence (backward: reduce-scattered) before B; A's gradient then differs per rank and is summed over TP
-  after the step (`sequence_parallel`, as Megatron-Core does for the norms).
+A linear y = W x of a tensor-parallel layer gets y = W x + (alpha / r) B (A x), W frozen. Megatron-Core fuses some of
+Hugging Face's linears into one (query, key and value into `linear_qkv`; gate and up into `linear_fc1`); each of the
+fused projections gets its own adapter, as PEFT gives each Hugging Face module one, so that the cookbook and PEFT train
+the same parameters step for step (`tests/test_lora.py`). A fused layer's A is the parts' A stacked ([parts x r, in],
+one matrix product), and each part's B maps its r columns of A's output to that part's rows of the fused output, laid
+out as Megatron-Core lays the fused weight out (query, key and value per query group; gate then up).
+- a **column-parallel** layer (QKV, FC1) splits W by its output rows over TP, so each B is split the same way (each
+  rank holds its query groups' rows, its share of gate and up) and A is whole on every rank. A's output is the same on
+  every rank; its gradient sums every rank's B parts (`copy_to_tensor_model_parallel_region`: identity forward,
+  all-reduce backward). With sequence parallelism the layer's input is a slice of the sequence: A runs on the slice,
+  and its output is gathered over the sequence (backward: reduce-scattered) before B; A's gradient then differs per
+  rank and is summed over TP after the step (`sequence_parallel`, as Megatron-Core does for the norms).
 - a **row-parallel** layer (attention output, FC2) splits W by its input columns, so A is split the same way
   ([r, in / TP]) and B is whole ([out, r]): A's partial products are all-reduced (with sequence parallelism
   reduce-scattered over the sequence, B's gradient then summed over TP).
-The full A is drawn from a stream seeded by (seed, global layer, target), as PEFT draws it (Kaiming-uniform with
-a = sqrt(5)), then split: one seed gives the same adapters at every TP/PP layout. B starts at zero, so a model with
-fresh adapters computes what the base computes.
+Each part's full A is drawn from a stream seeded by (seed, global layer, target, part), as PEFT draws it
+(Kaiming-uniform with a = sqrt(5)), then split: one seed gives the same adapters at every TP/PP layout. B starts at
+zero, so a model with fresh adapters computes what the base computes.
 
-The adapters' checkpoint entries sit beside the base layer's own, under the same prefix (`lora_A`, `lora_B`), sharded
-as above, so Megatron-Core's checkpointing reshards them like any weight; `ADAPTER_MARK` picks them out.
+The adapters' checkpoint entries sit beside the base layer's own, under the same prefix (`lora_A`, `lora_B`, or
+`lora_B_q`/`_k`/`_v`, `lora_B_gate`/`_up` for the fused layers' parts), sharded as above, so Megatron-Core's
+checkpointing reshards them like any weight; `ADAPTER_MARK` picks them out.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pai_cookbook.core.configs.lora import LoRAConfig
+from pai_cookbook.core.configs.lora import PARTS, LoRAConfig
 
 ADAPTER_MARK = ".lora_"
 """What every adapter's checkpoint key holds (`decoder.layers.0.self_attention.linear_qkv.lora_A`)."""
 COLUMN, ROW = "column", "row"
 KINDS = {"linear_qkv": COLUMN, "linear_fc1": COLUMN, "linear_proj": ROW, "linear_fc2": ROW}
-_TARGET_STRIDE = 101  # seeds of one layer's targets; layers are _LAYER_STRIDE apart
+_PART_STRIDE = 11  # seeds of one target's parts; targets are _TARGET_STRIDE apart, layers _LAYER_STRIDE
+_TARGET_STRIDE = 101
 _LAYER_STRIDE = 7919
 
 
@@ -42,37 +49,67 @@ def is_adapter_key(key: str) -> bool:
 
 
 class LoRALinear(torch.nn.Module):
-    """A Megatron-Core parallel linear (`base`, frozen) with a low-rank adapter beside it; returns what `base` returns
-    ((output, bias)), the adapter's part added to the output. Attributes the model reads from its linears (`weight`,
-    `bias`, ...) are the base's."""
+    """A Megatron-Core parallel linear (`base`, frozen) with one low-rank adapter per projection it fuses (`parts`:
+    `PARTS[target]`, or one unnamed part); returns what `base` returns ((output, bias)), the adapters' part added to
+    the output. `groups` is the number of query groups on this rank (QKV only: its rows are laid out per group).
+    Attributes the model reads from its linears (`weight`, `bias`, ...) are the base's."""
 
-    def __init__(self, base: torch.nn.Module, kind: str, config: LoRAConfig, full_a: torch.Tensor, gated: bool = False):
+    def __init__(self, base: torch.nn.Module, kind: str, config: LoRAConfig, full_a: torch.Tensor,
+                 parts: tuple[str, ...] = ("",), groups: int = 1):
         super().__init__()
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        if kind not in (COLUMN, ROW):
-            raise ValueError(f"kind {kind!r}: {COLUMN!r} or {ROW!r}")
-        self.base, self.kind, self.scale, self.gated = base, kind, config.scale, gated
+        if kind not in (COLUMN, ROW) or (kind == ROW and len(parts) > 1):
+            raise ValueError(f"kind {kind!r} with parts {parts}: {COLUMN!r} (any parts) or {ROW!r} (one part)")
+        self.base, self.kind, self.scale, self.parts, self.groups = base, kind, config.scale, parts, groups
+        self.rank = config.rank
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()
         tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and tp > 1
         weight = base.weight
         out_local, in_local = weight.shape
-        # column: A whole, B split like W's rows; row: A split like W's columns, B whole (B is W's rows either way)
+        # column: A whole, each B split like W's rows; row: A split like W's columns, B whole
         a = full_a if kind == COLUMN else full_a[:, tp_rank * in_local:(tp_rank + 1) * in_local]
         self.lora_A = torch.nn.Parameter(a.to(weight.dtype).contiguous().to(weight.device))
-        self.lora_B = torch.nn.Parameter(torch.zeros(out_local, config.rank, dtype=weight.dtype).to(weight.device))
-        sharded = self.lora_B if kind == COLUMN else self.lora_A
-        set_tensor_model_parallel_attributes(sharded, True, 0 if kind == COLUMN else 1, 1)
-        if self.sequence_parallel:  # each rank's gradient covers its slice of the sequence: summed over TP
-            (self.lora_A if kind == COLUMN else self.lora_B).sequence_parallel = True
+        for name, rows in zip(self.b_names, self.part_rows(out_local)):
+            b = torch.nn.Parameter(torch.zeros(rows, config.rank, dtype=weight.dtype).to(weight.device))
+            if kind == COLUMN:
+                set_tensor_model_parallel_attributes(b, True, 0, 1)
+            elif self.sequence_parallel:  # each rank's gradient covers its slice of the sequence: summed over TP
+                b.sequence_parallel = True
+            self.register_parameter(name, b)
+        if kind == ROW:
+            set_tensor_model_parallel_attributes(self.lora_A, True, 1, 1)
+        elif self.sequence_parallel:
+            self.lora_A.sequence_parallel = True
+
+    @property
+    def b_names(self) -> list[str]:
+        return [f"lora_B_{p}" if p else "lora_B" for p in self.parts]
+
+    def part_rows(self, out_local: int) -> list[int]:
+        """Each part's rows of this rank's output: QKV's queries are the query heads per group, the key and value one
+        head per group; gate and up are halves."""
+        if self.parts == PARTS["linear_qkv"]:
+            head_dim = self.base.config.kv_channels
+            return [out_local - 2 * self.groups * head_dim, self.groups * head_dim, self.groups * head_dim]
+        return [out_local // len(self.parts)] * len(self.parts)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("base"), name)
+
+    def fuse(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The parts' outputs (last axis: each part's rows) laid out as the fused layer's rows: QKV per query group
+        ([q; k; v] of group 0, then of group 1, ...), gate then up, or the one part."""
+        if self.parts != PARTS["linear_qkv"]:
+            return torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+        lead = pieces[0].shape[:-1]
+        grouped = [p.reshape(*lead, self.groups, p.shape[-1] // self.groups) for p in pieces]
+        return torch.cat(grouped, dim=-1).reshape(*lead, -1)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any):
         from megatron.core.tensor_parallel import mappings
@@ -85,47 +122,31 @@ class LoRALinear(torch.nn.Module):
         else:
             h = mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel else \
                 mappings.reduce_from_tensor_model_parallel_region(h)
-        return out + self.scale * F.linear(h, self.lora_B), bias
+        pieces = [F.linear(part, getattr(self, name)) for part, name in zip(h.split(self.rank, dim=-1), self.b_names)]
+        return out + self.scale * self.fuse(pieces), bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The base layer's entries under its own names, and the adapter's beside them, sharded over TP as above."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         state = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
-        adapters = {"lora_A": self.lora_A, "lora_B": self.lora_B}
-        axis = {"lora_B": 0} if self.kind == COLUMN else {"lora_A": 1}
-        mine = make_sharded_tensors_for_checkpoint(adapters, prefix, axis, sharded_offsets)
-        if self.gated:  # B's rows are [gate; up] per rank, as FC1's: stored as FC1's weight is, gate then up whole
-            mine[f"{prefix}lora_B"] = _swiglu_factory(mine[f"{prefix}lora_B"], sharded_offsets, metadata)
-        state.update(mine)
+        adapters = {"lora_A": self.lora_A} | {name: getattr(self, name) for name in self.b_names}
+        axis = {name: 0 for name in self.b_names} if self.kind == COLUMN else {"lora_A": 1}
+        state.update(make_sharded_tensors_for_checkpoint(adapters, prefix, axis, sharded_offsets))
         return state
 
     def delta(self) -> torch.Tensor:
-        """This rank's share of scale x B A, shaped as the base weight's shard."""
-        return self.scale * (self.lora_B.float() @ self.lora_A.float())
+        """This rank's share of the adapters' update (scale x B A per part, laid out as the fused weight)."""
+        a = self.lora_A.float().split(self.rank)
+        parts = [(getattr(self, name).float() @ a_part).T for name, a_part in zip(self.b_names, a)]
+        return self.scale * self.fuse(parts).T
 
 
-def _swiglu_factory(sharded, sharded_offsets: tuple, metadata: dict | None):
-    """Megatron-Core's own split of a gated FC1 tensor into its gate and up halves for the checkpoint, as `MLP` applies
-    it to FC1's weight (its signature takes the process groups from some release on: passed where it does)."""
-    import inspect
-
-    from megatron.core import parallel_state
-    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-    singleton = (metadata or {}).get("singleton_local_shards", False)
-    groups = {}
-    if "tp_group" in inspect.signature(apply_swiglu_sharded_factory).parameters:
-        dp = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(with_context_parallel=True)
-        groups = {"tp_group": parallel_state.get_tensor_model_parallel_group(), "dp_group": dp}
-    return apply_swiglu_sharded_factory(sharded, sharded_offsets, singleton, **groups)
-
-
-def full_a(config: LoRAConfig, seed: int, layer: int, target: str, in_features: int) -> torch.Tensor:
-    """The whole A of one target of one global layer (1-based): Kaiming-uniform with a = sqrt(5), as PEFT draws its
-    lora_A (bound 1 / sqrt(in_features)), from a stream of its own."""
-    generator = torch.Generator().manual_seed(seed * _LAYER_STRIDE * _TARGET_STRIDE + layer * _TARGET_STRIDE
-                                              + list(KINDS).index(target) + 1)
+def full_a(config: LoRAConfig, seed: int, layer: int, target: str, part: int, in_features: int) -> torch.Tensor:
+    """The whole A of one part of one target of one global layer (1-based): Kaiming-uniform with a = sqrt(5), as PEFT
+    draws its lora_A (bound 1 / sqrt(in_features)), from a stream of its own."""
+    generator = torch.Generator().manual_seed(
+        ((seed * _LAYER_STRIDE + layer) * _TARGET_STRIDE + list(KINDS).index(target)) * _PART_STRIDE + part + 1)
     bound = 1.0 / math.sqrt(in_features)
     drawn = torch.rand(config.rank, in_features, generator=generator, dtype=torch.float64, device="cpu")
     return drawn.mul_(2 * bound).sub_(bound).float()
@@ -133,8 +154,8 @@ def full_a(config: LoRAConfig, seed: int, layer: int, target: str, in_features: 
 
 def add_adapters(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int) -> int:
     """Freeze every parameter of `chunks` and put an adapter on each target linear of every transformer layer (the
-    dense MLPs; an MoE layer's experts are left as they are). Returns how many adapters were added; the only
-    parameters left trainable are theirs."""
+    dense MLPs; an MoE layer's experts are left as they are). Returns how many linears were adapted; the only
+    parameters left trainable are the adapters'."""
     for chunk in chunks:
         for parameter in chunk.parameters():
             parameter.requires_grad = False
@@ -142,6 +163,7 @@ def add_adapters(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int) -
 
     tp, added = parallel_state.get_tensor_model_parallel_world_size(), 0
     for chunk in chunks:
+        _recomputed_layers_get_a_gradient(chunk)
         for layer in _layers(chunk):
             for target in config.targets:
                 parent = _parent_of(layer, target)
@@ -150,11 +172,25 @@ def add_adapters(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int) -
                 base = getattr(parent, target)
                 kind = KINDS[target]
                 in_features = base.weight.shape[1] * (tp if kind == ROW else 1)
-                a = full_a(config, seed, layer.layer_number, target, in_features)
-                gated = target == "linear_fc1" and parent.config.gated_linear_unit
-                setattr(parent, target, LoRALinear(base, kind, config, a, gated))
+                fused = target == "linear_qkv" or (target == "linear_fc1" and parent.config.gated_linear_unit)
+                parts = PARTS[target] if fused else ("",)
+                a = torch.cat([full_a(config, seed, layer.layer_number, target, i, in_features)
+                               for i in range(len(parts))])
+                groups = parent.config.num_query_groups // tp if target == "linear_qkv" else 1
+                setattr(parent, target, LoRALinear(base, kind, config, a, parts, groups))
                 added += 1
     return added
+
+
+def _recomputed_layers_get_a_gradient(chunk: torch.nn.Module) -> None:
+    """Under full recompute each group of layers runs in Megatron-Core's `CheckpointFunction`, whose output needs a
+    gradient only when one of its inputs does: the frozen embedding's output does not, so no adapter inside would get a
+    gradient (the run would train nothing). The embedding's output is marked as needing one, as Hugging Face's
+    `enable_input_require_grads` does; it costs the first norm's saved input."""
+    module = getattr(chunk, "module", chunk)
+    embedding = getattr(module, "embedding", None)
+    if embedding is not None and module.config.recompute_granularity == "full":
+        embedding.register_forward_hook(lambda _module, _inputs, output: output.requires_grad_(True))
 
 
 def _layers(chunk: torch.nn.Module) -> list[torch.nn.Module]:

@@ -271,8 +271,11 @@ def _params_to(module: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def training_flops_per_token(model: ModelConfig, seq_length: int) -> float:
-    """Model FLOPs to train on one token: 3 x forward (forward + backward), PaLM-style accounting.
+def training_flops_per_token(model: ModelConfig, seq_length: int, frozen_weights: bool = False) -> float:
+    """Model FLOPs to train on one token: 3 x forward (forward + backward), PaLM-style accounting; with
+    `frozen_weights` (LoRA: the base frozen) the weights' gradient GEMMs are not run (Megatron-Core's
+    `linear_with_frozen_weight`), so the weights count 2 x forward and the attention scores still 3 x (the
+    adapters' own FLOPs, 2 x rank x (in + out) per adapted linear, are left out: under 1% at usual ranks).
 
     Forward per token: 2 FLOPs per multiply-add of every weight used (for MoE, the top-k routed experts
     plus shared expert and router, not all experts) and 4 x seq x (heads x head_dim) per layer for the
@@ -297,5 +300,5 @@ def training_flops_per_token(model: ModelConfig, seq_length: int) -> float:
         mlp_total = moe_layers * moe_mlp + (layers - moe_layers) * dense_mlp
     else:
         mlp_total = layers * dense_mlp
-    forward = 2 * (layers * attention + mlp_total + h * model.vocab_size) + layers * scores
-    return 3.0 * forward
+    weights = 2 * (layers * attention + mlp_total + h * model.vocab_size)
+    return (2.0 if frozen_weights else 3.0) * weights + 3.0 * layers * scores
