@@ -294,6 +294,12 @@ def check_lora(m: dict) -> None:
     assert [n / r for n, r in zip(m["rank_trainable"], (2, 8, 32))] == [m["rank_trainable"][0] / 2] * 3
     # The PEFT export computes what the merged model computes, and the adapters did move the model
     assert m["peft_max_abs_diff"] <= 1e-5 and m["peft_moved"] > 1e-3
+    # The planner on one H100: full fine-tuning of the 8B model does not fit even recomputed; its LoRA fits without
+    # recompute; the 32B model's LoRA fits only recomputed (its frozen bf16 weights alone take most of the GPU)
+    fits = m["planned_fits"]
+    assert [fits[f"Llama-3-8B, full fine-tuning, recompute {r}"] for r in ("none", "full")] == ["no", "no"]
+    assert fits["Llama-3-8B, LoRA rank 8, recompute none"] == "yes"
+    assert [fits[f"Qwen3-32B, LoRA rank 8, recompute {r}"] for r in ("none", "full")] == ["no", "yes"]
 
 
 def check_lora_real(m: dict) -> None:
