@@ -22,7 +22,7 @@ from pathlib import Path
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 KERNEL = "python3"
 
-# Notebooks 01, 03, 06, 07 and 10 run SmolLM2-135M-Instruct, a real trained model, by default; these parameters run them on
+# Notebooks 01, 03, 06, 07, 10 and 11 run SmolLM2-135M-Instruct, a real trained model, by default; these parameters run them on
 # tiny random models instead, about a minute each on 2 CPU cores: what CI runs (tests/test_notebooks.py) and `--tiny`
 # gives. Each notebook says what its tiny run can and cannot show; the others are tiny by default (their points need
 # many runs: 02, 04, 05, 08) or need no model (09).
@@ -34,6 +34,8 @@ TINY: dict[str, dict] = {
                                  "EVAL_INTERVAL": 25},
     "07_inference": {"REAL_MODEL": False, "TP_SIZE": 2, "MAX_NEW_TOKENS": 32},
     "10_lora": {"REAL_MODEL": False, "TRAIN_ITERS": 40, "LORA_LR": 1e-2, "FULL_LR": 3e-3},
+    "11_evaluate": {"REAL_MODEL": False, "FINETUNED": {}, "MMLU_PER_SUBJECT": 1, "CLOZE_ITEMS": 24, "TEXTS": 12,
+                    "TENSOR_PARALLEL": 2},
 }
 
 

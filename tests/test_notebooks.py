@@ -309,8 +309,28 @@ def check_lora_real(m: dict) -> None:
     assert m["real_model"] and m["lora_format"] > m["base_format"]
 
 
+def check_evaluate(m: dict) -> None:
+    # The harness's Hugging Face model computes what the Megatron-Core model computes, request by request (the prose
+    # names the bound tests/test_harness.py holds); the tiny random model scores at chance, as the prose says: its
+    # per-token perplexity is of the order of the vocabulary, it completes no cloze item, and its MMLU accuracy is
+    # within three standard errors of a quarter
+    assert m["harness_max_abs_diff"] is not None and m["harness_max_abs_diff"] <= 1e-4
+    assert m["models"] == ["base"] and m["cloze_items"] == 24 and m["mmlu_questions"] == 57
+    assert m["vocab_size"] / 4 < m["token_perplexity"]["base"] < 4 * m["vocab_size"]
+    assert m["cloze_accuracy"]["base"] <= 1 / 24
+    assert abs(m["mmlu_accuracy"]["base"] - 0.25) <= 3 * (0.25 * 0.75 / 57) ** 0.5
+
+
+def check_evaluate_real(m: dict) -> None:
+    # SmolLM2-135M-Instruct knows English prose: far below a random model's perplexity, some cloze items completed
+    # (bounds from its run on 2026-11-28: docs/evaluation.md)
+    assert m["real_model"] and m["harness_max_abs_diff"] <= 1e-4
+    assert m["token_perplexity"]["base"] < 100 and m["cloze_accuracy"]["base"] > 0.05
+
+
 REAL_CHECKS = {"01_convert_checkpoint": check_convert_real, "03_continued_pretraining": check_pretraining_real,
-               "06_supervised_finetuning": check_sft_real, "07_inference": check_inference_real, "10_lora": check_lora_real}
+               "06_supervised_finetuning": check_sft_real, "07_inference": check_inference_real, "10_lora": check_lora_real,
+               "11_evaluate": check_evaluate_real}
 
 
 # CI's lighter settings. Notebook 02's section 4b extends released
@@ -338,6 +358,7 @@ CHECKS = {
     "08_rlhf": check_rlhf,
     "09_plan_a_run": check_plan,
     "10_lora": check_lora,
+    "11_evaluate": check_evaluate,
 }
 
 

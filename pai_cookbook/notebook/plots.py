@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _finish(fig, path: str | Path | None, tight: bool = True):
@@ -353,3 +354,27 @@ def proxy_and_true_reward(evals: Mapping[str, Mapping[str, Sequence[float]]],
     axes[2].set_ylim(bottom=0)  # k1 estimates can dip below 0 by noise; the KL itself cannot
     axes[2].legend(fontsize=8)
     return _finish(fig, path)
+
+
+def evaluation_bars(rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, str], path: str | Path | None = None,
+                    title: str = "Evaluation", chance: Mapping[str, float] | None = None):
+    """One panel per metric (`metrics`: row key -> axis label), one bar per row's "model"; `chance` (row key ->
+    value) draws a dashed line where guessing would score."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics) + 0.5, 3.4), layout="constrained")
+    axes = [axes] if len(metrics) == 1 else list(axes)
+    names = [str(row["model"]) for row in rows]
+    colors = ["tab:gray", "tab:blue", "tab:orange", "tab:green"]
+    for ax, (key, label) in zip(axes, metrics.items()):
+        values = [row[key] for row in rows]
+        bars = ax.bar(names, values, color=[colors[i % len(colors)] for i in range(len(rows))])
+        ax.set_ylim(0, max(*values, (chance or {}).get(key, 0.0)) * 1.2 or 1.0)  # all zero: an axis to 1
+        ax.bar_label(bars, fmt="%.3g", fontsize=8, padding=2)
+        if chance and key in chance:
+            ax.axhline(chance[key], color="black", linestyle="--", linewidth=1, label="chance")
+            ax.legend(fontsize=8, loc="lower right")
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelsize=8, rotation=15)
+    fig.suptitle(title, fontsize=10)
+    return _finish(fig, path, tight=False)

@@ -114,6 +114,28 @@ class ScoreJob(Job):
 
 
 @dataclass(kw_only=True)
+class EvalJob(Job):
+    """The evaluation worker's job: a checkpoint at a layout, and token sequences whose last tokens are scored (a
+    continuation after its context, or a window of a rolling perplexity). Each sequence is fed without its last token,
+    and the log-probability of each of its last `scored` tokens is taken from the position before it."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.evaluate"
+
+    ckpt: str
+    sequences: list[list[int]]
+    """Context + continuation ids, at most the model's positions + 1 long (`evaluate` truncates on the left)."""
+    scored: list[int]
+    """How many final tokens of each sequence are scored (>= 1)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    batch: int = 8
+    """Sequences per forward pass (sorted by length, so little of a batch is padding)."""
+
+    def processes(self) -> int:
+        return layout.world_size(self.parallel)
+
+
+@dataclass(kw_only=True)
 class UpcycleJob(Job):
     """The upcycling worker's job: a dense checkpoint, the MoE model to build from it, and the layout."""
 

@@ -1,0 +1,141 @@
+"""Evaluation on Megatron-Core (pai_cookbook/evaluate.py, workers/evaluate.py): log-likelihoods equal transformers' at
+every layout, tokenized as lm-evaluation-harness tokenizes, perplexity over the harness's windows, greedy answers
+cut at their stop strings, and bad requests refused before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pai_cookbook import evaluate
+from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
+
+QUIET = {"show_progress": False}
+REQUESTS = [("The capital of France is", " Paris"), ("2 + 2 =", " 4"), ("", "Hello world"),
+            ("One two  ", "three"), ("A longer context, with punctuation; and more words before the end:", " done.")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(Hugging Face folder, its Megatron-Core checkpoint): a tiny random Llama with SmolLM2's real tokenizer, 64
+    positions (so that long requests meet the limit)."""
+    from pai_cookbook import convert
+    from pai_cookbook.fixtures import smollm2
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("evaluate")
+    hf = make_tiny_hf_model("llama", root / "hf", tokenizer_dir=smollm2.hf_folder(), max_position_embeddings=64)
+    convert.hf_to_megatron(hf, root / "mcore", run_dir=root / "convert")
+    return hf, root / "mcore"
+
+
+def _transformers(hf, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    out = []
+    for context, continuation in pairs:
+        ids = torch.tensor([context + continuation])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(ids[:, :-1]).logits.float(), -1)[0, -len(continuation):]
+        target = torch.tensor(continuation)
+        out.append((float(logprobs.gather(-1, target[:, None]).sum()), bool((logprobs.argmax(-1) == target).all())))
+    return out
+
+
+@pytest.mark.multiproc
+def test_loglikelihoods_equal_transformers_at_every_layout(tiny, tmp_path):
+    """Each continuation's log-probability and greedy flag at TP=1, TP=2 with sequence parallelism, and PP=2, against
+    transformers on the same ids: within 1e-4 in fp32, the flags identical. One request continues with the model's
+    own greedy tokens, so a flag is True somewhere (a random model's are otherwise all False)."""
+    import transformers
+
+    hf, ckpt = tiny
+    tokenizer = evaluate.tokenizer(ckpt)
+    pairs = [evaluate.encode_pair(tokenizer, *r) for r in REQUESTS]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    context = pairs[0][0]
+    with torch.no_grad():
+        own = model.generate(torch.tensor([context]), max_new_tokens=3, do_sample=False)[0, len(context):].tolist()
+    pairs.append((context, own))
+    reference = _transformers(hf, pairs)
+    assert reference[-1][1] and not all(flag for _, flag in reference)
+    layouts = [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+               ParallelConfig(pipeline_model_parallel_size=2)]
+    for i, parallel in enumerate(layouts):
+        out = evaluate.loglikelihood_tokens(ckpt, pairs, parallel=parallel, batch=3, run_dir=tmp_path / f"r{i}",
+                                            **QUIET)
+        got = [(r["logprob"], r["greedy"]) for r in out["results"]]
+        assert [g for _, g in got] == [g for _, g in reference], parallel
+        assert max(abs(a - b) for (a, _), (b, _) in zip(got, reference)) <= 1e-4, (parallel, got, reference)
+
+
+def test_rolling_windows_predict_every_token_once_from_at_most_the_limit():
+    """Every token is a target exactly once, in order; each window feeds at most `limit` positions; the first token
+    is predicted from the prefix, every other from the tokens just before it."""
+    for length in (1, 5, 8, 9, 23, 64):
+        ids = list(range(100, 100 + length))
+        stream = [7] + ids  # the token that predicts ids[k] is stream[k]
+        windows = evaluate.rolling_windows(ids, prefix=7, limit=8)
+        assert [t for _, target in windows for t in target] == ids
+        for context, target in windows:
+            fed, k = (context + target)[:-1], ids.index(target[0])
+            assert len(fed) <= 8 and fed == stream[k - len(context) + 1:k + len(target)]
+        assert len(windows) == -(-length // 8)
+
+
+def test_a_pair_is_tokenized_as_the_whole_text_is(tiny):
+    """The context's trailing spaces move to the continuation, and the continuation's ids are the whole text's after
+    the context's: context + continuation ids are the whole text's ids exactly."""
+    tokenizer = evaluate.tokenizer(tiny[1])
+    context, continuation = evaluate.encode_pair(tokenizer, "One two  ", "three")
+    assert context + continuation == evaluate.encode(tokenizer, "One two  three")
+    assert tokenizer.decode(continuation) == "  three"
+    assert evaluate.encode_pair(tokenizer, "", "Hi")[0] == [evaluate.prefix_id(tokenizer)]
+
+
+@pytest.mark.multiproc
+def test_greedy_answers_stop_where_transformers_stops(tiny, tmp_path):
+    """generate_until: greedy, without repetition penalty, cut before the first stop string: transformers' greedy
+    continuation of the same ids, decoded and cut the same way."""
+    import transformers
+
+    hf, ckpt = tiny
+    tokenizer = evaluate.tokenizer(ckpt)
+    contexts = ["Question: what is two plus two?\nAnswer:", "Once upon a time"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    expected = []
+    for context in contexts:
+        ids = tokenizer(context, add_special_tokens=False).input_ids
+        with torch.no_grad():
+            new = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):]
+        expected.append(tokenizer.decode(new, skip_special_tokens=True))
+    stop = expected[0][3:6]  # a stop string the first answer meets
+    answers = evaluate.generate_until(ckpt, [(contexts[0], [stop]), (contexts[1], [])], max_new_tokens=12,
+                                      run_dir=tmp_path / "g", **QUIET)
+    assert answers == [expected[0].split(stop)[0], expected[1]]
+
+
+def test_requests_that_cannot_be_scored_are_refused_before_launch(tiny, tmp_path, no_launch):
+    """A continuation longer than the model's positions, a pair beyond them without truncate=True, an empty
+    continuation, a checkpoint without a tokenizer, a request that is not a pair of strings: each named, with the
+    fix."""
+    import shutil
+
+    from pai_cookbook.core.checkpoints import checkpoint
+
+    _, ckpt = tiny
+    with pytest.raises(ConfigError, match="longer than the model's 64 positions"):
+        evaluate.loglikelihood_tokens(ckpt, [([1], list(range(5, 70)))])
+    with pytest.raises(ConfigError, match="truncate=True"):
+        evaluate.loglikelihood_tokens(ckpt, [(list(range(5, 61)), list(range(5, 15)))])  # 66 > 64 + 1
+    with pytest.raises(ConfigError, match="nothing to score"):
+        evaluate.loglikelihood_tokens(ckpt, [([1, 2], [])])
+    with pytest.raises(ConfigError, match=r"request 0: expected a \(context, continuation\) pair"):
+        evaluate.loglikelihood(ckpt, ["just a string"])
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare)
+    for name in evaluate.tokenizers.VOCABULARY_FILES:
+        (bare / checkpoint.HF_ASSETS / name).unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match="carries no tokenizer"):
+        evaluate.perplexity(bare, ["some text"])

@@ -1,0 +1,112 @@
+"""lm-evaluation-harness on a Megatron-Core checkpoint (pai_cookbook/harness.py): every request the harness scores
+equals what its own Hugging Face model scores on the checkpoint's source, at TP=1 and TP=2, on real MMLU questions
+(pai_cookbook/fixtures/benchmarks.py), cloze items and a perplexity task read from local files; bad tasks and
+arguments are refused before the model runs; the shell command finds the model by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pai_cookbook.core.configs.config import ConfigError
+
+TASKS = ["mmlu_sample", "cloze_sample", "text_perplexity"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(HF folder, Megatron-Core checkpoint, task folder): a tiny random Llama with SmolLM2's tokenizer and 64
+    positions (MMLU prompts longer than that are cut on the left, by both models), 8 MMLU questions from 8 subjects,
+    8 cloze items and 4 paragraphs of English."""
+    from pai_cookbook import convert, corpora, harness
+    from pai_cookbook.fixtures import benchmarks, smollm2
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("harness")
+    hf = make_tiny_hf_model("llama", root / "hf", tokenizer_dir=smollm2.hf_folder(), max_position_embeddings=64)
+    convert.hf_to_megatron(hf, root / "mcore", run_dir=root / "convert")
+    questions = benchmarks.mmlu()
+    picked = [next(q for q in questions if q["subject"] == s) for s in sorted({q["subject"] for q in questions})[:8]]
+    english = corpora.english()
+    tasks = harness.local_tasks(root / "tasks", {
+        "mmlu_sample": ("multiple_choice", picked), "cloze_sample": ("cloze", benchmarks.cloze(english[-200:], 8)),
+        "text_perplexity": ("perplexity", [{"text": t} for t in english[-4:]])})
+    return hf, root / "mcore", tasks
+
+
+def _responses(results: dict) -> dict[str, list]:
+    """Per task, every request's log-likelihood (and greedy flag where it has one), in document order."""
+    out = {}
+    for task, samples in results["samples"].items():
+        rows = []
+        for sample in sorted(samples, key=lambda s: s["doc_id"]):
+            for response in sample["filtered_resps"]:
+                rows.append(tuple(response) if isinstance(response, (tuple, list)) else (response,))
+        out[task] = rows
+    return out
+
+
+@pytest.mark.multiproc
+def test_every_request_equals_the_harness_hugging_face_model_at_tp1_and_tp2(setup, tmp_path):
+    """Per request within 1e-4 (fp32), greedy flags and every metric's accuracy identical; the perplexity task's
+    texts span more than one 64-position window, and some MMLU prompts are cut on the left."""
+    from lm_eval.models.huggingface import HFLM
+
+    from pai_cookbook import harness
+
+    hf, ckpt, tasks = setup
+    reference = harness.run(HFLM(pretrained=str(hf), device="cpu", dtype="float32", batch_size=8), TASKS,
+                            include_path=tasks)
+    theirs = _responses(reference)
+    assert len(theirs["mmlu_sample"]) == 32 and len(theirs["text_perplexity"]) == 4
+    for tp in (1, 2):
+        lm = harness.MegatronLM(ckpt=ckpt, tensor_parallel_size=tp, sequence_parallel=tp > 1,
+                                run_dir=tmp_path / f"tp{tp}", show_progress=False)
+        ours = harness.run(lm, TASKS, include_path=tasks)
+        assert [launch["kind"] for launch in lm.launches] == ["loglikelihood", "rolling"]
+        assert lm.launches[0]["truncated"] > 0  # some MMLU prompts exceed 64 positions
+        mine = _responses(ours)
+        for task in TASKS:
+            gap = max(abs(a[0] - b[0]) for a, b in zip(mine[task], theirs[task]))
+            assert gap <= 1e-4, (tp, task, gap)
+            assert [a[1:] for a in mine[task]] == [b[1:] for b in theirs[task]], (tp, task)
+        for task in ("mmlu_sample", "cloze_sample"):
+            assert ours["results"][task]["acc,none"] == reference["results"][task]["acc,none"], (tp, task)
+        for metric in ("word_perplexity,none", "bits_per_byte,none"):
+            ratio = ours["results"]["text_perplexity"][metric] / reference["results"]["text_perplexity"][metric]
+            assert abs(ratio - 1) <= 1e-4, (tp, metric, ratio)
+
+
+def test_unknown_tasks_and_arguments_are_refused_before_the_model_runs(setup, tmp_path, no_launch):
+    from pai_cookbook import harness
+
+    _, ckpt, tasks = setup
+    lm = harness.MegatronLM(ckpt=ckpt, run_dir=tmp_path / "r", show_progress=False)
+    with pytest.raises(ConfigError, match=r"knows no task \['no_such_task'\].*local_tasks"):
+        harness.run(lm, ["no_such_task"], include_path=tasks)
+    with pytest.raises(ConfigError, match=r"does not take \['temperature'\]"):
+        harness.MegatronLM(ckpt=ckpt, temperature=0.5)
+    with pytest.raises(ConfigError, match="needs the checkpoint"):
+        harness.MegatronLM()
+    broken = harness.local_tasks(tmp_path / "broken", {"broken_task": ("perplexity", [{"text": "a"}])})
+    (broken / "broken_task.jsonl").unlink()  # its data is gone: the harness cannot load it
+    with pytest.raises(ConfigError, match="could not load"):
+        harness.run(lm, ["broken_task"], include_path=broken)
+
+
+@pytest.mark.multiproc
+def test_the_shell_command_finds_the_model_by_name(setup, tmp_path):
+    """`python -m pai_cookbook.harness --model pai-megatron ...`: the harness's own command line, with the model
+    registered, writes its results."""
+    _, ckpt, tasks = setup
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "pai_cookbook.harness", "--model", "pai-megatron", "--model_args",
+                           f"ckpt={ckpt},run_dir={tmp_path / 'runs'},show_progress=False", "--tasks", "mmlu_sample",
+                           "--include_path", str(tasks), "--limit", "2", "--output_path", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = list(out.rglob("results*.json"))
+    assert written and "mmlu_sample" in json.loads(written[0].read_text())["results"]
