@@ -84,6 +84,32 @@ def test_rolling_windows_predict_every_token_once_from_at_most_the_limit():
         assert len(windows) == -(-length // 8)
 
 
+@pytest.mark.multiproc
+def test_perplexity_is_transformers_log_likelihood_of_every_token(tiny, tmp_path):
+    """A text within the model's positions: its log-likelihood is transformers' of every token after the prefix token.
+    A text three windows long: every token scored once (the token count is the text's), each window within the
+    positions. The three normalisations are that one sum over tokens, bytes and words."""
+    import math
+
+    import transformers
+
+    hf, ckpt = tiny
+    tokenizer = evaluate.tokenizer(ckpt)
+    short, long = "A short text to score.", " ".join(["Every token of a long text is predicted exactly once."] * 12)
+    out = evaluate.perplexity(ckpt, [short, long], parallel=ParallelConfig(tensor_model_parallel_size=2),
+                              run_dir=tmp_path / "p", **QUIET)
+    ids = [evaluate.prefix_id(tokenizer)] + evaluate.encode(tokenizer, short)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits.float(), -1)[0]
+    reference = float(logprobs.gather(-1, torch.tensor(ids[1:])[:, None]).sum())
+    assert abs(out["per_text"][0] - reference) <= 1e-4
+    long_ids = evaluate.encode(tokenizer, long)
+    assert len(long_ids) > 2 * 64 and out["tokens"] == len(ids) - 1 + len(long_ids) and out["windows"] == 1 + 3
+    assert out["bits_per_byte"] == pytest.approx(-out["logprob"] / len((short + long).encode()) / math.log(2))
+    assert out["token_perplexity"] == pytest.approx(math.exp(-out["logprob"] / out["tokens"]))
+
+
 def test_a_pair_is_tokenized_as_the_whole_text_is(tiny):
     """The context's trailing spaces move to the continuation, and the continuation's ids are the whole text's after
     the context's: context + continuation ids are the whole text's ids exactly."""

@@ -240,3 +240,26 @@ def test_among_tied_layouts_the_one_with_the_most_memory_free_is_chosen():
     assert search.choose(options, tied_within=0.0) is fastest  # no tie band: the fastest runnable
     said = " ".join(explain.why(options, cluster.gpu.memory_gib))
     assert chosen.layout.describe() in said and "a tie" in said
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-length", "0", "--global-batch", "8"], "seq_length 0 must be a whole number >= 1"),
+    (["--seq-length", "4096", "--global-batch", "0"], "global_batch_size 0 must be a whole number >= 1"),
+    (["--seq-length", "16384", "--global-batch", "8"], "seq_length 16384 exceeds the model's 8192 positions"),
+    (["--gpus-per-node", "6", "--seq-length", "4096", "--global-batch", "7"],  # 7 sequences over DP 3 or 6: none
+     "no layout of 6 GPUs takes a global batch of 7"),
+    (["--seq-length", "4096", "--global-batch", "8", "--tokens", "-1"], "--tokens -1: the training tokens must be > 0"),
+])
+def test_a_workload_no_layout_can_take_is_an_error_naming_why(argv, message, capsys):
+    """Exit 2 with the reason, never "0 valid layouts" and exit 0, nor "-0.0 days"."""
+    assert plan_cli.main(["--model", "Llama-3-8B", "--gpus-per-node", "8", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_odd_sequence_length_is_planned_without_context_parallelism():
+    """Only CP splits the sequence into 2 x CP chunks: an odd length refuses CP layouts alone."""
+    model = SHAPES["Llama-3.2-1B"]
+    options = search.plan(model, Cluster(gpu=hardware.gpu("H100-80GB"), gpus_per_node=8, nodes=1),
+                          Workload(seq_length=4095, global_batch_size=64))
+    assert options and all(o.layout.cp == 1 for o in options)
+    assert explain.why([], 80.0)[0].startswith("No layout is valid")

@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=15, help="rows shown")
     args = parser.parse_args(argv)
     try:
+        if args.tokens is not None and not args.tokens > 0:
+            raise ConfigError(f"--tokens {args.tokens:g}: the training tokens must be > 0 (1e11 is 100 B tokens).")
+        for flag in ("gpus_per_node", "nodes", "top"):
+            if getattr(args, flag) < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
         model = model_shape(args.model)
         cluster = Cluster(gpu=gpu(args.gpu), gpus_per_node=args.gpus_per_node, nodes=args.nodes)
         workload = Workload(seq_length=args.seq_length, global_batch_size=args.global_batch, dtype=args.dtype)

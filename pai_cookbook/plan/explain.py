@@ -87,6 +87,9 @@ def why(options: Sequence[Option], memory_gib: float) -> list[str]:
     what the runner-up trades, whether the plainest layout fits, what full recompute costs, which layouts are tied
     with the fastest (`search.TIED_WITHIN`), and which of them without CP `search.choose` takes: the most memory free."""
     fitting = [o for o in options if o.fits]
+    if not options:
+        return ["No layout is valid for this workload on this cluster, so there is nothing to rank (`search.plan` "
+                "says what every layout needs)."]
     if not fitting:
         least = min(options, key=lambda o: o.memory.total)
         return [f"No layout fits: the smallest, {least.layout.describe()}, needs {least.memory.total / GIB:.1f} GiB "

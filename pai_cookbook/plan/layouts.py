@@ -79,6 +79,13 @@ class Workload:
     lora: LoRAConfig | None = None
     """LoRA adapters on the frozen model (`RunConfig.lora`): only they have gradients and optimizer state."""
 
+    def __post_init__(self) -> None:
+        for name in ("seq_length", "global_batch_size"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"{name} {value!r} must be a whole number >= 1 (tokens per sequence; sequences per step).")
+        require(self.dtype in ("bf16", "fp32"), f"dtype {self.dtype!r}: the plan models 'bf16' and 'fp32'.")
+
     def micro_batches(self, layout: Layout, world: int) -> int:
         """Micro-batches per step on one data-parallel rank: global / (micro x DP)."""
         return self.global_batch_size // (layout.micro_batch_size * layout.dp(world))
@@ -119,7 +126,7 @@ def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) ->
         ConfigError: naming the offending value and the fix.
     """
     require(world % layout.cp == 0, f"world size {world} is not divisible by CP={layout.cp}.")
-    require(workload.seq_length % (2 * layout.cp) == 0,
+    require(layout.cp == 1 or workload.seq_length % (2 * layout.cp) == 0,
             f"seq_length {workload.seq_length} is not divisible by 2 x CP = {2 * layout.cp} (Megatron-Core splits the "
             f"sequence into 2 x CP chunks for load balance).")
     require(layout.recompute != "full" or (model.num_layers // (layout.pp * (layout.vpp or 1)))

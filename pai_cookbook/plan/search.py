@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pai_cookbook.core.configs.model_config import ModelConfig
+from pai_cookbook.core.configs.model_config import ModelConfig, require
 from pai_cookbook.plan.hardware import GIB, Cluster
 from pai_cookbook.plan.layouts import Layout, Workload, valid_layouts
 from pai_cookbook.plan.memory import FRAMEWORK_OVERHEAD_GIB, StageMemory, peak_memory
@@ -32,10 +32,22 @@ def evaluate(model: ModelConfig, layout: Layout, workload: Workload, cluster: Cl
 
 def plan(model: ModelConfig, cluster: Cluster, workload: Workload, overhead_gib: float = FRAMEWORK_OVERHEAD_GIB,
          micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[Option]:
-    """Every valid layout, evaluated: those that fit the GPU's memory fastest first, then the others by memory."""
+    """Every valid layout, evaluated: those that fit the GPU's memory fastest first, then the others by memory.
+
+    Raises:
+        ConfigError: a sequence longer than the model's positions, or a workload no layout takes on this cluster
+        (naming what every layout needs), instead of an empty plan.
+    """
+    require(workload.seq_length <= model.max_position_embeddings,
+            f"seq_length {workload.seq_length} exceeds the model's {model.max_position_embeddings} positions "
+            f"(max_position_embeddings); plan a sequence of at most that.")
     options = [evaluate(model, layout, workload, cluster, overhead_gib)
                for layout in valid_layouts(model, workload, cluster.world_size, cluster.gpus_per_node,
                                            micro_batch_sizes)]
+    require(options, f"no layout of {cluster.world_size} GPUs takes a global batch of {workload.global_batch_size} "
+                     f"sequences of {workload.seq_length}: every layout needs the global batch divisible by micro-batch "
+                     f"x data-parallel size (micro-batches {list(micro_batch_sizes)}), and the world divisible by "
+                     f"TP x PP x CP. Give a global batch that is a multiple of the GPU count, or another GPU count.")
     return sorted(options, key=lambda o: (not o.fits, -o.time.tokens_per_s if o.fits else o.memory.total))
 
 
