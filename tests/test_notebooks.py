@@ -323,7 +323,7 @@ def check_evaluate(m: dict) -> None:
 
 def check_evaluate_real(m: dict) -> None:
     # SmolLM2-135M-Instruct knows English prose: far below a random model's perplexity, some cloze items completed
-    # (bounds from its run on 2026-11-28: docs/evaluation.md)
+    # (its run on 2026-11-28, docs/evaluation.md: 32.4 per token, 23.5% of the cloze items, harness gap 4.9e-5)
     assert m["real_model"] and m["harness_max_abs_diff"] <= 1e-4
     assert m["token_perplexity"]["base"] < 100 and m["cloze_accuracy"]["base"] > 0.05
 
