@@ -33,7 +33,7 @@ TINY: dict[str, dict] = {
     "06_supervised_finetuning": {"REAL_MODEL": False, "LR": 3e-3, "MIN_LR": 3e-4, "TRAIN_ITERS": 100, "WARMUP_ITERS": 10,
                                  "EVAL_INTERVAL": 25},
     "07_inference": {"REAL_MODEL": False, "TP_SIZE": 2, "MAX_NEW_TOKENS": 32},
-    "10_lora": {"REAL_MODEL": False, "TRAIN_ITERS": 40, "LORA_LR": 1e-2, "FULL_LR": 3e-3},
+    "10_lora": {"REAL_MODEL": False, "TRAIN_ITERS": 30, "LORA_LR": 1e-2, "FULL_LR": 3e-3},
     "11_evaluate": {"REAL_MODEL": False, "FINETUNED": {}, "MMLU_PER_SUBJECT": 1, "CLOZE_ITEMS": 24, "TEXTS": 12,
                     "TENSOR_PARALLEL": 2},
 }

@@ -283,7 +283,7 @@ def check_inference_real(m: dict) -> None:
     assert m["real_model"] and m["tp_size"] == 3 and "Paris" in m["greedy_completions"][0]
 
 
-def check_lora(m: dict) -> None:
+def check_lora(m: dict, peft_bound: float = 1e-5) -> None:
     # The adapters are a small part of what trains, and of the gradient and optimizer state held (the frozen weights
     # are held either way); the adapted model starts as the base (B = 0: the same validation loss before the first
     # step) and both runs learn.
@@ -293,7 +293,7 @@ def check_lora(m: dict) -> None:
     # The rank sweep: trainable parameters linear in the rank (2, 8, 32)
     assert [n / r for n, r in zip(m["rank_trainable"], (2, 8, 32))] == [m["rank_trainable"][0] / 2] * 3
     # The PEFT export computes what the merged model computes, and the adapters did move the model
-    assert m["peft_max_abs_diff"] <= 1e-5 and m["peft_moved"] > 1e-3
+    assert m["peft_max_abs_diff"] <= peft_bound and m["peft_moved"] > 1e-3
     # The planner on one H100: full fine-tuning of the 8B model does not fit even recomputed; its LoRA fits without
     # recompute; the 32B model's LoRA fits only recomputed (its frozen bf16 weights alone take most of the GPU)
     fits = m["planned_fits"]
@@ -303,9 +303,12 @@ def check_lora(m: dict) -> None:
 
 
 def check_lora_real(m: dict) -> None:
-    check_lora(m)
-    # A real chat model takes the taught format from its adapters (not yet measured on SmolLM2: the bound is what the
-    # prose implies, that fine-tuning through the adapters teaches the form)
+    # SmolLM2's 30 layers: peft's W x + s B (A x) and the merged (W + s B A) x round differently in fp32; its run on
+    # 2026-11-28 measured 1.0e-4 against logits the adapters moved by 1.1, inside the 2e-4 the real model's logit
+    # parity is held to (tests/test_real_model.py); the tiny model's 1e-5 stays in check_lora
+    check_lora(m, peft_bound=2e-4)
+    # A real chat model takes the taught format from its adapters (measured: 20% of held-out answers in the format
+    # before, 100% after)
     assert m["real_model"] and m["lora_format"] > m["base_format"]
 
 
