@@ -110,3 +110,35 @@ def test_the_shell_command_finds_the_model_by_name(setup, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     written = list(out.rglob("results*.json"))
     assert written and "mmlu_sample" in json.loads(written[0].read_text())["results"]
+
+
+@pytest.mark.multiproc
+def test_generation_requests_are_greedy_answers_cut_at_their_stops(setup, tmp_path):
+    """The harness's generate_until requests (grouped by max_gen_toks, one launch each): transformers' greedy
+    continuation of the same ids, cut before the request's stop strings and the end-of-text token's text; a request
+    that asks for sampling is refused."""
+    from types import SimpleNamespace
+
+    import torch
+    import transformers
+
+    from pai_cookbook import evaluate, harness
+
+    hf, ckpt, _ = setup
+    lm = harness.MegatronLM(ckpt=ckpt, run_dir=tmp_path / "g", show_progress=False)
+    asks = [("Question: what is two plus two?\nAnswer:", {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}),
+            ("Once upon a time", {"max_gen_toks": 8}), ("The capital of France is", {"until": "s", "max_gen_toks": 6})]
+    answers = lm.generate_until([SimpleNamespace(args=a) for a in asks])
+    assert [launch["kind"] for launch in lm.launches] == ["generate", "generate"]  # max_gen_toks 8, then 6
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    for answer, (context, kwargs) in zip(answers, asks):
+        ids = evaluate.encode(lm.tokenizer, context)
+        with torch.no_grad():
+            new = model.generate(torch.tensor([ids]), max_new_tokens=kwargs["max_gen_toks"], do_sample=False)
+        text = lm.tokenizer.decode(new[0, len(ids):], skip_special_tokens=True)
+        until = kwargs.get("until", [])
+        for stop in ([until] if isinstance(until, str) else until):
+            text = text.split(stop)[0]
+        assert answer == text, (context, answer, text)
+    with pytest.raises(ConfigError, match="asks for sampling"):
+        lm.generate_until([SimpleNamespace(args=("x", {"do_sample": True}))])
