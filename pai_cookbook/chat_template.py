@@ -1,7 +1,7 @@
 """Which tokens of a chat-templated conversation a model learns to generate: the answer-only loss mask.
 
     turns = chat_template.locate(tokenizer, messages, template, where="data.jsonl:3")
-    ids, mask = chat_template.mask(tokenizer, turns, stop_ids, where="data.jsonl:3")
+    ids, mask, _ = chat_template.mask(tokenizer, turns, stop_ids, where="data.jsonl:3")
 
 The conversation is rendered once with the template, as the model will see it, and tokenized once. Each message's
 text is then placed in the rendered string by rendering the same conversation with a marker in place of every
@@ -236,11 +236,11 @@ it is (`tokenize`)."""
 def tokenize(tokenizer, text: str, spans: list[tuple[int, int]], control: set[int], as_text: bool
              ) -> tuple[list[int], list[tuple[int, int]], list[int]]:
     """`text` tokenized once (the template writes BOS): (ids, character offsets, the indices of control tokens typed
-    inside `spans`, the messages). With `as_text` each typed control token is replaced by the plain text's tokens
-    (the tokenizer's own split of special-token text, `split_special_tokens=True`), which decode to the same text:
-    the template's own control tokens stay, and the text around a typed one is tokenized as before (a special
-    token is split out of the text before the rest is tokenized), so only that token changes; nothing is then
-    reported typed."""
+    inside `spans`, the messages, in that one tokenization). With `as_text` each typed control token is replaced by
+    the plain text's tokens (the tokenizer's own split of special-token text, `split_special_tokens=True`), which
+    decode to the same text: the template's own control tokens stay, and the text around a typed one is tokenized as
+    before (a special token is split out of the text before the rest is tokenized), so only that token changes; the
+    ids and offsets are then the replaced ones, and the indices say what was replaced."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
     typed = [k for k, (a, b) in enumerate(offsets)
@@ -254,7 +254,7 @@ def tokenize(tokenizer, text: str, spans: list[tuple[int, int]], control: set[in
         out_ids += ids[last:k] + [i for i, _ in pieces]
         out_offsets += offsets[last:k] + [(a + x, a + y) for _, (x, y) in pieces]
         last = k + 1
-    return out_ids + ids[last:], out_offsets + offsets[last:], []
+    return out_ids + ids[last:], out_offsets + offsets[last:], typed
 
 
 def _as_plain_text(tokenizer, piece: str, control: set[int]) -> list[tuple[int, tuple[int, int]]]:
@@ -277,9 +277,10 @@ def _as_plain_text(tokenizer, piece: str, control: set[int]) -> list[tuple[int, 
 
 
 def mask(tokenizer, located: Located, stops: list[int], where: str = "", special_text: str = "refuse"
-         ) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation (`tokenize`) and the loss mask: each assistant turn from its
-    `train_start` through the first stop token after the answer.
+         ) -> tuple[list[int], list[bool], bool]:
+    """Token ids of the rendered conversation (`tokenize`), the loss mask (each assistant turn from its
+    `train_start` through the first stop token after the answer), and whether special-token text typed in a message
+    was encoded as plain text.
 
     Args:
         special_text: "refuse" a message that types a special token's text, or encode it "as_text" (`tokenize`).
@@ -290,9 +291,9 @@ def mask(tokenizer, located: Located, stops: list[int], where: str = "", special
     if special_text not in SPECIAL_TEXT:
         raise SFTError(f"special_text={special_text!r}; use one of {SPECIAL_TEXT}.")
     control = set(tokenizer.all_special_ids) | set(stops)
-    ids, offsets, typed = tokenize(tokenizer, located.text, list(located.spans.values()), control,
-                                   special_text == "as_text")
-    if typed:
+    as_text = special_text == "as_text"
+    ids, offsets, typed = tokenize(tokenizer, located.text, list(located.spans.values()), control, as_text)
+    if typed and not as_text:
         token = located.text[offsets[typed[0]][0]:offsets[typed[0]][1]]
         i = next(i for i, (start, end) in located.spans.items() if start <= offsets[typed[0]][0] < end)
         raise SFTError(f"{where}: message {i} types {token!r}, the text of the special token {ids[typed[0]]}: "
@@ -316,4 +317,4 @@ def mask(tokenizer, located: Located, stops: list[int], where: str = "", special
         for k, o in enumerate(offsets):
             if overlaps(o, turn.train_start, end):
                 keep[k] = True
-    return ids, keep
+    return ids, keep, bool(typed)

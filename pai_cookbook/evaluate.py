@@ -30,7 +30,7 @@ from pai_cookbook.core.launching.jobs import EvalJob, GenerationJob
 from pai_cookbook.core.text import tokenizer as tokenizers
 
 __all__ = ["encode", "encode_pair", "generate_until", "loglikelihood", "loglikelihood_tokens", "max_length", "perplexity",
-           "rolling_windows", "tokenizer"]
+           "rolling_windows", "text_windows", "tokenizer"]
 
 
 def tokenizer(ckpt: str | Path):
@@ -173,6 +173,17 @@ def rolling_windows(ids: Sequence[int], prefix: int, limit: int) -> list[tuple[l
     return [(context[:len(context) - (len(target) - 1)], target) for context, target in windows]
 
 
+def text_windows(hf, texts: Sequence[str], limit: int) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """Every text's `rolling_windows` (its ids by `encode`), end to end, and the index of the text each belongs to (a
+    text that encodes to no tokens has none)."""
+    windows, owner = [], []
+    for i, text in enumerate(texts):
+        for window in rolling_windows(encode(hf, text), prefix_id(hf), limit):
+            windows.append(window)
+            owner.append(i)
+    return windows, owner
+
+
 def perplexity(ckpt: str | Path, texts: Sequence[str], **options: Any) -> dict[str, Any]:
     """Perplexity of `texts`, each scored whole through `rolling_windows`, normalised three ways: per token
     (`token_perplexity`, exp of the mean negative log-likelihood), per byte of UTF-8 (`bits_per_byte`), and per word
@@ -182,17 +193,11 @@ def perplexity(ckpt: str | Path, texts: Sequence[str], **options: Any) -> dict[s
         those three, "logprob" (the sum), "tokens", "bytes", "words", "per_text" logprobs, "windows" (the sequences
         scored), and the launch's figures.
     """
-    hf = tokenizer(ckpt)
     texts = [_string(t, f"text {i}") for i, t in enumerate(inputs.listed(texts, "texts", "strings"))]
-    limit = max_length(ckpt)
-    windows, owner = [], []
-    for i, text in enumerate(texts):
-        ids = encode(hf, text)
-        if not ids:
-            raise ConfigError(f"text {i} encodes to no tokens; remove it.")
-        for window in rolling_windows(ids, prefix_id(hf), limit):
-            windows.append(window)
-            owner.append(i)
+    windows, owner = text_windows(tokenizer(ckpt), texts, max_length(ckpt))
+    empty = sorted(set(range(len(texts))) - set(owner))
+    if empty:
+        raise ConfigError(f"text {empty[0]} encodes to no tokens; remove it.")
     out = loglikelihood_tokens(ckpt, windows, **options)
     per_text = [0.0] * len(texts)
     for i, result in zip(owner, out["results"]):

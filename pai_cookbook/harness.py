@@ -118,12 +118,8 @@ class MegatronLM(TemplateLM):
         return [(r["logprob"], r["greedy"]) for r in results]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
-        """Each text's log-likelihood over `evaluate.rolling_windows` (the harness's windows), all in one launch."""
-        windows, owner = [], []
-        for i, (text,) in enumerate(req.args for req in requests):
-            for window in evaluate.rolling_windows(self.tok_encode(text), self.prefix_token_id, self.max_length):
-                windows.append(window)
-                owner.append(i)
+        """Each text's log-likelihood over `evaluate.text_windows` (the harness's windows), all in one launch."""
+        windows, owner = evaluate.text_windows(self.tokenizer, [req.args[0] for req in requests], self.max_length)
         totals = [0.0] * len(requests)
         for i, result in zip(owner, self._scores(windows, "rolling", disable_tqdm) if windows else []):
             totals[i] += result["logprob"]

@@ -15,6 +15,19 @@ def tiny_run(family: str = "llama", *, model_overrides: dict | None = None, **fi
     return RunConfig(model=families.tiny(family, **(model_overrides or {})), **fields)
 
 
+def random_sft_samples() -> list:
+    """24 random conversations of 5-60 ids (length-skewed), the first ~40% of each a prompt outside the loss,
+    in the tiny model's 256-token vocabulary (tests/test_sft.py packs them; tests/test_lora.py trains on them)."""
+    import torch
+
+    from pai_cookbook.sft import Sample
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 61, (24,), generator=generator).tolist()
+    return [Sample(ids=torch.randint(3, 256, (n,), generator=generator).tolist(),
+                   loss_mask=[i >= 0.4 * n for i in range(n)], line=k + 1) for k, n in enumerate(lengths)]
+
+
 def runnable_families() -> list[str]:
     """The families the installed Megatron-Core runs (multi-latent attention from 0.17 on: `layout.check`)."""
     from pai_cookbook.core.machine import versions

@@ -35,15 +35,11 @@ def base(tmp_path_factory):
 def conversations(base, tmp_path_factory):
     """24 random conversations of 5-60 ids of the base's tokenizer, the first ~40% of each a prompt outside the loss,
     packed into 64-position rows: 20 to train on, 4 held out."""
-    import torch
-
     from pai_cookbook import sft
     from pai_cookbook.core.text import tokenizer
+    from tests.conftest import random_sft_samples
 
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(5, 61, (24,), generator=generator).tolist()
-    samples = [sft.Sample(ids=torch.randint(3, 256, (n,), generator=generator).tolist(),
-                          loss_mask=[i >= 0.4 * n for i in range(n)], line=k + 1) for k, n in enumerate(lengths)]
+    samples = random_sft_samples()
     folder = tmp_path_factory.mktemp("lora_sft") / "set"
     assets = base / checkpoint.HF_ASSETS
     sft.write(folder, {"train": samples[:20], "valid": samples[20:]}, 64, pad_id=0, vocab_size=256,

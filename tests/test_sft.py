@@ -10,7 +10,7 @@ from pai_cookbook import sft
 from pai_cookbook.core.configs.config import CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig
 from pai_cookbook.core.text import tokenizer
 from pai_cookbook.fixtures import smollm2
-from tests.conftest import tiny_run
+from tests.conftest import random_sft_samples, tiny_run
 
 CONVERSATION = {"line": 1, "messages": [
     {"role": "system", "content": "Answer in one word."},
@@ -221,19 +221,10 @@ def test_a_packed_row_computes_each_conversation_as_it_is_alone(run_scenario):
     assert figures["max_abs_diff_without_boundaries"] > 1e-2, figures  # the comparison can fail
 
 
-def _random_samples() -> list:
-    """24 random conversations of 5-60 ids (length-skewed), the first ~40% of each a prompt outside the loss,
-    in the tiny model's 256-token vocabulary."""
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(5, 61, (24,), generator=generator).tolist()
-    return [sft.Sample(ids=torch.randint(3, 256, (n,), generator=generator).tolist(),
-                       loss_mask=[i >= 0.4 * n for i in range(n)], line=k + 1) for k, n in enumerate(lengths)]
-
-
 @pytest.fixture(scope="module")
 def packed_set(tmp_path_factory):
-    """`_random_samples`: 20 packed into 64-position rows for training, 4 held out."""
-    samples = _random_samples()
+    """`random_sft_samples`: 20 packed into 64-position rows for training, 4 held out."""
+    samples = random_sft_samples()
     folder = tmp_path_factory.mktemp("sft") / "set"
     summary = sft.write(folder, {"train": samples[:20], "valid": samples[20:]}, 64, pad_id=0, vocab_size=256)
     assert summary["train"]["rows"] < 20 and summary["train"]["efficiency"] > summary["train"]["padded_efficiency"]
@@ -244,7 +235,7 @@ def packed_set(tmp_path_factory):
 def padded_set(tmp_path_factory):
     """The same 20 training conversations, one per row."""
     folder = tmp_path_factory.mktemp("sft") / "padded"
-    sft.write(folder, {"train": _random_samples()[:20]}, 64, pad_id=0, packed=False, vocab_size=256)
+    sft.write(folder, {"train": random_sft_samples()[:20]}, 64, pad_id=0, packed=False, vocab_size=256)
     return folder
 
 

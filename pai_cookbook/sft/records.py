@@ -166,8 +166,8 @@ def encode(tokenizer, conversation: dict[str, Any], template: str | None = None,
         messages = chat.fold_system(messages)
     stops = stop_ids if stop_ids is not None else chat.stop_ids(tokenizer)
     located = chat.locate(tokenizer, messages, template, where, check_generation_prompt)
-    ids, mask = chat.mask(tokenizer, located, stops, where, special_text)
-    agrees, as_text = None, special_text == "as_text" and ids != tokenizer(located.text, add_special_tokens=False).input_ids
+    ids, mask, as_text = chat.mask(tokenizer, located, stops, where, special_text)
+    agrees = None
     if "{% generation %}" in (template or tokenizer.chat_template or "") and not as_text:
         marked = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                                return_assistant_tokens_mask=True)

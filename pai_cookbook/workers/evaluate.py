@@ -17,6 +17,7 @@ import torch
 from pai_cookbook.core.checkpoints import checkpoint
 from pai_cookbook.core.launching import worker
 from pai_cookbook.core.launching.jobs import EvalJob
+from pai_cookbook.workers import forward
 from pai_cookbook.workers.models import build_model
 
 PAD = 0
@@ -57,33 +58,12 @@ def vocab_parallel_scores(logits: torch.Tensor, targets: torch.Tensor, vocab_siz
 def score_batch(chunks: list[torch.nn.Module], tokens: torch.Tensor, targets: torch.Tensor, vocab_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`vocab_parallel_scores` of one batch on the last pipeline stage, returned on global rank 0 (None elsewhere)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    targets = targets.to(next(chunks[0].parameters()).device)
 
-    device = next(chunks[0].parameters()).device
-    tokens, targets = tokens.to(device), targets.to(device)
-    positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-
-    def forward_step(data_iterator, model):
-        output = model(next(data_iterator), positions, attention_mask=None)
-
-        def collect(output_tensor, non_loss_data=False):
-            logprobs, greedy = vocab_parallel_scores(output_tensor, targets, vocab_size)
-            return logprobs.cpu(), greedy.cpu()
-        return output, collect
-
-    with torch.no_grad():
-        collected = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter([tokens]) for _ in chunks] if len(chunks) > 1
-            else iter([tokens]), model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=1,
-            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True,
-            collect_non_loss_data=True)
-    mine = collected[0] if (collected and ps.get_tensor_model_parallel_rank() == 0
-                            and ps.get_data_parallel_rank() == 0) else None
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, mine)  # the last stage's scores reach rank 0
-    found = next(x for x in gathered if x is not None)
-    return found if torch.distributed.get_rank() == 0 else None
+    def collect(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, greedy = vocab_parallel_scores(output, targets, vocab_size)
+        return logprobs.cpu(), greedy.cpu()
+    return forward.last_stage(chunks, tokens, collect)
 
 
 def batches(job: EvalJob, multiple: int):

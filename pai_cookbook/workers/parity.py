@@ -14,38 +14,16 @@ from pai_cookbook.core.launching.jobs import ParityJob
 from pai_cookbook.core.machine import runtime
 from pai_cookbook.core.measures.logit_parity import compare_logits, hf_logits, token_batch
 from pai_cookbook.core.modeling.model import torch_dtype
+from pai_cookbook.workers import forward
 from pai_cookbook.workers.models import build_model
 
 
 def megatron_logits(chunks: list[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor | None:
     """Full-vocabulary logits [batch, seq, padded vocab] on global rank 0 (None elsewhere), any layout."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    device = next(chunks[0].parameters()).device
-    tokens = tokens.to(device)
-    positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-
-    def forward_step(data_iterator, model):
-        output = model(next(data_iterator), positions, attention_mask=None)
-
-        def collect(output_tensor, non_loss_data=False):
-            return gather_from_tensor_model_parallel_region(output_tensor).float().cpu()
-        return output, collect
-
-    with torch.no_grad():
-        collected = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter([tokens]) for _ in chunks] if len(chunks) > 1
-            else iter([tokens]), model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=1,
-            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True,
-            collect_non_loss_data=True)
-    mine = collected[0] if (collected and ps.get_tensor_model_parallel_rank() == 0
-                            and ps.get_data_parallel_rank() == 0) else None
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, mine)  # the last stage's logits reach rank 0
-    found = next(x for x in gathered if x is not None)
-    return found if torch.distributed.get_rank() == 0 else None
+    return forward.last_stage(chunks, tokens,
+                              lambda output: gather_from_tensor_model_parallel_region(output).float().cpu())
 
 
 def _save_logits(logits: torch.Tensor, folder: Path, index: int) -> str:
