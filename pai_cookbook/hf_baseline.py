@@ -3,7 +3,8 @@
 `hf_logits` is the reference of the logits parity (`parity`), `hf_generate` the reference of greedy and
 sampled generation (`generate`), `hf_complete` the quick look at an exported model's text,
 `hf_packed_token_losses` the reference of fine-tuning's per-token loss on packed rows (`sft`), `peft_sft` the
-reference of LoRA training (`RunConfig.lora`).
+reference of LoRA training (`RunConfig.lora`), `trl_reward_model`, `trl_grpo` and `trl_dpo` TRL's trainers beside
+the cookbook's reward model, GRPO and DPO.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from pai_cookbook.core.measures.logit_parity import hf_logits, hf_model
 from pai_cookbook.core.text.tokenizer import eos_ids
 from pai_cookbook.generate import GenerationConfig
 
-__all__ = ["TRL_RENAMED_API", "hf_complete", "hf_generate", "hf_logits", "hf_packed_token_losses", "peft_sft", "trl_grpo",
-           "trl_reward_model"]
+__all__ = ["TRL_RENAMED_API", "hf_complete", "hf_generate", "hf_logits", "hf_packed_token_losses", "peft_sft", "trl_dpo",
+           "trl_grpo", "trl_reward_model"]
 
 # transformers 5's deprecations of what TRL 1.16 still calls: `gradient_checkpointing` (an argument),
 # `is_gradient_checkpointing`, `gradient_checkpointing_enable`/`_disable` (model methods).
@@ -226,6 +227,64 @@ def trl_reward_model(hf_dir: str | Path, pairs: Sequence[dict[str, Any]], valid:
         metrics = trainer.evaluate()
     return {"accuracy": metrics["eval_accuracy"], "seconds": seconds,
             "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}
+
+
+def trl_dpo(hf_dir: str | Path, prepared: str | Path, out_dir: str | Path, config: Any) -> dict[str, Any]:
+    """TRL's DPOTrainer on a prepared preference set (`dpo.prepare`) from the same Hugging Face model in fp32: the
+    library reference of `dpo.train` with `config` (a `DPOConfig` whose loss is "sigmoid" or "ipo", without label
+    smoothing, which TRL 1.16's "sigmoid" no longer takes). TRL is given the set's own token ids (prompt, chosen and
+    rejected answers), so that what is compared is the training, not two tokenizations; its reference is a frozen
+    copy of the model, scored in each step as TRL does. Every step sees the whole set (one batch of all its pairs);
+    the optimizer is the cookbook's: AdamW with its betas and eps, the gradient clipped to `clip_grad`, a constant
+    learning rate.
+
+    Returns:
+        {"losses": per step, as TRL logs it (before that step's update), "accuracies", "margins"}.
+    """
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from pai_cookbook import dpo
+    from pai_cookbook.core.configs.config import OptimizerConfig
+
+    if config.loss not in ("sigmoid", "ipo") or config.label_smoothing or config.lr_decay_style != "constant" \
+            or config.warmup_steps:
+        raise ValueError(f"the TRL reference takes sigmoid or IPO losses at a constant rate, not {config}")
+    rows = []
+    for pair in dpo.load(prepared)["train"]:
+        chosen, rejected = pair["chosen"], pair["rejected"]
+        if chosen["ids"][:chosen["start"]] != rejected["ids"][:rejected["start"]]:
+            raise ValueError("a pair whose two sides render the prompt differently; TRL takes one prompt per pair")
+        rows.append({"prompt_ids": chosen["ids"][:chosen["start"]], "chosen_ids": chosen["ids"][chosen["start"]:],
+                     "rejected_ids": rejected["ids"][rejected["start"]:]})
+
+    class Pretokenized(DPOTrainer):
+        def _prepare_dataset(self, dataset, *args, **kwargs):  # the set's ids, as they are
+            return dataset
+
+    opt = OptimizerConfig()
+    with _quiet_trl():
+        args = DPOConfig(
+            output_dir=str(out_dir), max_steps=config.steps, learning_rate=config.lr, per_device_train_batch_size=len(rows),
+            lr_scheduler_type="constant", adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_epsilon=opt.adam_eps,
+            weight_decay=config.weight_decay, max_grad_norm=config.clip_grad, beta=config.beta, loss_type=[config.loss],
+            max_length=None, seed=config.seed, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+            disable_tqdm=True, dataloader_drop_last=True)
+        trainer = Pretokenized(model=hf_model(hf_dir), ref_model=hf_model(hf_dir), args=args,
+                               train_dataset=Dataset.from_list(rows), processing_class=_tokenizer(hf_dir))
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"losses": [entry["loss"] for entry in logged],
+            "accuracies": [entry.get("rewards/accuracies") for entry in logged],
+            "margins": [entry.get("rewards/margins") for entry in logged]}
+
+
+def _tokenizer(hf_dir: str | Path):
+    from pai_cookbook.core.text import tokenizer
+
+    return tokenizer.load(hf_dir)
 
 
 def trl_grpo(hf_dir: str | Path, prompts: Sequence[dict[str, Any]], reward: str, out_dir: str | Path, *, steps: int,

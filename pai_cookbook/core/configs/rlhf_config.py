@@ -1,6 +1,6 @@
-"""The knobs of RLHF's runs, checked when built: a reward model's (`RewardModelConfig`), GRPO's (`GRPOConfig`) and
-PPO's (`PPOConfig`). The recipes (`reward_model`, `rlhf`) export them; the jobs that carry them to the workers are
-`core.launching.jobs.RewardModelJob` and `core.launching.jobs.RLJob`."""
+"""The knobs of RLHF's runs, checked when built: a reward model's (`RewardModelConfig`), GRPO's (`GRPOConfig`),
+PPO's (`PPOConfig`) and preference tuning's (`DPOConfig`). The recipes (`reward_model`, `rlhf`, `dpo`) export them;
+the jobs that carry them to the workers are `core.launching.jobs.RewardModelJob`, `RLJob` and `DPOJob`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,74 @@ class RewardModelConfig:
         if not self.lr > 0 or self.warmup_steps < 0 or self.eval_interval < 0:
             raise ConfigError(f"RewardModelConfig: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} "
                               f"and eval_interval={self.eval_interval} >= 0.")
+
+
+DPO_LOSSES = ("sigmoid", "ipo", "simpo")
+
+
+@dataclass(kw_only=True)
+class DPOConfig:
+    """The knobs of a preference-tuning run (`dpo.train`); batch sizes count pairs (each is two sequences).
+
+    The losses, with Δ the policy's log-probability of the chosen answer minus the rejected one's, each less the
+    reference's (summed over the answer's tokens):
+    - "sigmoid": DPO (Rafailov et al. 2023), -log σ(β Δ); with `label_smoothing` ε the conservative form
+      -(1 - ε) log σ(β Δ) - ε log σ(-β Δ) (Mitchell 2023: ε is the share of pairs assumed flipped).
+    - "ipo": IPO (Azar et al. 2023), (Δ' - 1 / (2β))², Δ' with each answer's log-ratio averaged over its tokens
+      (as TRL computes it, confirmed with IPO's authors).
+    - "simpo": SimPO (Meng et al. 2024), -log σ(β (ℓ_chosen - ℓ_rejected) - γ) with ℓ an answer's mean token
+      log-probability under the policy: length-normalised and without a reference.
+    """
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    """DPO's and IPO's KL weight (IPO's τ); SimPO's reward scale (its paper uses 2-10)."""
+    label_smoothing: float = 0.0
+    """The "sigmoid" and "simpo" losses' ε in [0, 0.5): the share of pairs whose label is assumed wrong."""
+    simpo_gamma: float = 0.5
+    """SimPO's target margin γ (in units of β-scaled mean log-probability)."""
+    steps: int = 100
+    lr: float = 1e-6
+    """Peak learning rate, after `warmup_steps`; then constant (`lr_decay_style`) or cosine to lr / 10."""
+    lr_decay_style: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    global_batch_size: int = 16
+    """Pairs per optimizer step (over all data-parallel ranks)."""
+    micro_batch_size: int = 4
+    """Pairs per forward/backward: 2 x this sequences."""
+    eval_interval: int = 0
+    """Held-out figures every this many steps (and before the first and after the last); 0: those two only."""
+    seed: int = 1234
+    """Pair order (reshuffled every pass over the set)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"DPOConfig.{name}={getattr(self, name)} must be at least 1.")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"DPOConfig.global_batch_size={self.global_batch_size} must be a multiple of "
+                              f"micro_batch_size={self.micro_batch_size}.")
+        if self.loss not in DPO_LOSSES:
+            raise ConfigError(f"DPOConfig.loss={self.loss!r}; use one of {DPO_LOSSES}.")
+        if not self.beta > 0:
+            raise ConfigError(f"DPOConfig.beta={self.beta} must be > 0 (0.1 is DPO's usual, 2-10 SimPO's).")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"DPOConfig.label_smoothing={self.label_smoothing} must lie in [0, 0.5): it is the "
+                              f"share of labels assumed wrong, and at 0.5 nothing is learned.")
+        if self.label_smoothing and self.loss == "ipo":
+            raise ConfigError("DPOConfig.label_smoothing applies to the 'sigmoid' and 'simpo' losses; IPO's squared "
+                              "loss has none. Set it to 0.")
+        if self.lr_decay_style not in ("constant", "cosine"):
+            raise ConfigError(f"DPOConfig.lr_decay_style={self.lr_decay_style!r}; use 'constant' or 'cosine'.")
+        if not self.lr > 0 or self.warmup_steps < 0 or self.eval_interval < 0:
+            raise ConfigError(f"DPOConfig: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} and "
+                              f"eval_interval={self.eval_interval} >= 0.")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.loss != "simpo"
 
 
 @dataclass(kw_only=True)

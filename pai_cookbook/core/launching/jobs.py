@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import ConfigError, ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
 from pai_cookbook.core.configs.generation import GenerationConfig
-from pai_cookbook.core.configs.rlhf_config import GRPOConfig, PPOConfig, RewardModelConfig
+from pai_cookbook.core.configs.rlhf_config import DPOConfig, GRPOConfig, PPOConfig, RewardModelConfig
 from pai_cookbook.core.launching.job import Job
 from pai_cookbook.core.measures.logit_parity import DEFAULT_BATCH, DEFAULT_SEQ
 
@@ -210,6 +210,37 @@ class RewardModelJob(Job):
         if self.valid_pairs and len(self.valid_pairs) < whole:  # held-out pairs run in whole micro-batches
             raise ConfigError(f"{len(self.valid_pairs)} held-out pairs fill no micro-batch of {self.rm.micro_batch_size} "
                               f"pairs on each of the {whole // self.rm.micro_batch_size} data-parallel ranks, so none "
+                              f"would be scored; give at least {whole} (a multiple of {whole} scores them all).")
+
+
+@dataclass(kw_only=True)
+class DPOJob(Job):
+    """The preference-tuning worker's job: the training config, the pairs tokenized and their answers' reference
+    log-probabilities (`dpo.prepare` scored them)."""
+
+    WORKER: ClassVar[str] = "pai_cookbook.workers.dpo"
+    SPANS_NODES: ClassVar[bool] = True
+    REPEATED_STEPS: ClassVar[bool] = True
+
+    run: RunConfig
+    dpo: DPOConfig
+    train_ids: list[list[list[int]]]
+    """[chosen ids, rejected ids] per pair: the prompt through the template, then the answer through its stop token."""
+    train_starts: list[list[int]]
+    """Where each side's answer starts (its first token's index)."""
+    train_reference: list[list[float]]
+    """Each side's answer's log-probability under the reference."""
+    valid_ids: list[list[list[int]]]
+    valid_starts: list[list[int]]
+    valid_reference: list[list[float]]
+    pad_id: int
+
+    def check(self, world_size: int, device: Any) -> None:
+        self.run.validate(world_size, device)
+        whole = self.run.parallel.data_parallel_size(world_size) * self.dpo.micro_batch_size
+        if self.valid_ids and len(self.valid_ids) < whole:  # held-out pairs run in whole micro-batches
+            raise ConfigError(f"{len(self.valid_ids)} held-out pairs fill no micro-batch of {self.dpo.micro_batch_size} "
+                              f"pairs on each of the {whole // self.dpo.micro_batch_size} data-parallel ranks, so none "
                               f"would be scored; give at least {whole} (a multiple of {whole} scores them all).")
 
 

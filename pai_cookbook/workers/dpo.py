@@ -1,0 +1,161 @@
+"""The preference-tuning worker: DPO, IPO or SimPO on pairs of answers, through the training worker's DDP, optimizer
+(LoRA's adapters included) and pipeline schedule.
+
+Its job is a `core.launching.jobs.DPOJob`. Every step draws `global_batch_size` pairs (passes over the set, each in an
+order seeded by (seed, pass)), gives each data-parallel rank its share and runs them as micro-batches of
+`micro_batch_size` pairs: the chosen sequences, then the rejected ones, right-padded to one width. The model's
+per-token losses (Megatron-Core's vocabulary-parallel cross entropy, so no rank gathers logits) summed over each
+answer's tokens are minus its log-probability; the reference's come with the job. The pair losses
+(`core.rl.preference`) are summed and scaled to their share of the global per-pair mean
+(`workers.training.per_token_scale` with one count per pair). Held-out pairs are scored forward-only.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pai_cookbook.core.checkpoints import checkpoint
+from pai_cookbook.core.configs.rlhf_config import DPOConfig
+from pai_cookbook.core.launching import worker
+from pai_cookbook.core.launching.jobs import DPOJob
+from pai_cookbook.core.rl import preference
+from pai_cookbook.workers import run_state, training
+
+FIGURES = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp")
+Pair = tuple[list[list[int]], list[int], list[float]]
+"""([chosen ids, rejected ids], [their answers' starts], [their reference log-probabilities])"""
+
+
+def pairs_of(job: DPOJob, split: str) -> list[Pair]:
+    return list(zip(*(getattr(job, f"{split}_{key}") for key in ("ids", "starts", "reference"))))
+
+
+def pair_batch(job: DPOJob, pairs: list[Pair]) -> dict[str, torch.Tensor]:
+    """One micro-batch: rows [chosen of each pair..., rejected of each pair...], right-padded to the run's sequence
+    length; `labels` the next tokens; `mask` 1 where the next token is an answer's; `reference` per row."""
+    width = job.run.data.seq_length
+    rows = [(p[0][side], p[1][side], p[2][side]) for side in (0, 1) for p in pairs]
+    tokens = torch.full((len(rows), width), job.pad_id, dtype=torch.long)
+    labels = torch.full_like(tokens, job.pad_id)
+    mask = torch.zeros(len(rows), width)
+    for row, (ids, start, _) in enumerate(rows):
+        tokens[row, :len(ids)] = torch.tensor(ids)
+        labels[row, :len(ids) - 1] = torch.tensor(ids[1:])
+        mask[row, start - 1:len(ids) - 1] = 1.0
+    return {"tokens": tokens, "labels": labels, "mask": mask, "reference": torch.tensor([r[2] for r in rows]),
+            "loss_count": torch.tensor(float(len(pairs)))}
+
+
+def micro_batches(job: DPOJob, pairs: list[Pair]) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's share of `pairs`, in micro-batches."""
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    per_rank = len(pairs) // dp_size
+    mine = pairs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    size = job.dpo.micro_batch_size
+    return [pair_batch(job, mine[start:start + size]) for start in range(0, len(mine), size)]
+
+
+def _forward(config: DPOConfig, data_iterator, model):
+    batch = next(data_iterator)
+    return training.model_forward(model, batch), partial(_pair_loss, config, batch)
+
+
+def _pair_loss(config: DPOConfig, batch: dict[str, Any], output: torch.Tensor):
+    """The micro-batch's pair losses (summed, scaled to the global mean) and the sums behind the logged figures."""
+    mask = batch["mask"].to(output.device)
+    logp = -(output.float() * mask).sum(1)
+    policy, reference, tokens = logp.chunk(2), batch["reference"].to(logp).chunk(2), mask.sum(1).chunk(2)
+    losses, chosen, rejected = preference.losses(config, policy, reference, tokens)
+    total = losses.sum()
+    report = torch.stack([total, (chosen > rejected).sum().to(total), (chosen - rejected).sum(), chosen.sum(),
+                          rejected.sum(), policy[0].sum(), policy[1].sum(), batch["loss_count"].to(total)])
+    return total * batch.get("loss_scale", 1.0), {"pairs": report.detach()}
+
+
+def run_pairs(job: DPOJob, model, batches: list[dict[str, Any]], forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    scale = training.per_token_scale(batches)
+    batches = [b | {"loss_scale": scale} for b in batches]
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward, job.dpo), data_iterator=iter(batches), model=model[0],
+        num_microbatches=len(batches), seq_length=job.run.data.seq_length,
+        micro_batch_size=2 * job.dpo.micro_batch_size, decoder_seq_length=job.run.data.seq_length,
+        forward_only=forward_only)
+
+
+def _figures(reports) -> dict[str, float]:
+    sums = training.global_sums(reports, "pairs", len(FIGURES) + 1).tolist()
+    count = max(sums[-1], 1.0)
+    return {name: value / count for name, value in zip(FIGURES, sums)}
+
+
+def evaluate(job: DPOJob, model) -> dict[str, float]:
+    """The figures over every held-out pair that fills whole micro-batches (on every rank)."""
+    from megatron.core import parallel_state as ps
+
+    pairs = pairs_of(job, "valid")  # whole micro-batches on every rank (pipeline stages exchange fixed shapes)
+    usable = len(pairs) - len(pairs) % (ps.get_data_parallel_world_size() * job.dpo.micro_batch_size)
+    for chunk in model:
+        chunk.eval()
+    with torch.no_grad():
+        reports = run_pairs(job, model, micro_batches(job, pairs[:usable]), forward_only=True)
+    for chunk in model:
+        chunk.train()
+    return _figures(reports) | {"pairs": usable}
+
+
+def train(job: DPOJob, device) -> dict[str, Any]:
+    config = job.run
+    model, optimizer, scheduler = training.build(config, device)
+    first_step, started_from = run_state.restore(config, model, optimizer, scheduler)
+    log = run_state.StepLog(config, device, fresh=first_step == 0)
+    history, valid, saved = [], [], None
+    interval, pairs = job.dpo.eval_interval, pairs_of(job, "train")
+    if job.valid_ids and first_step == 0:
+        valid.append({"step": 0} | evaluate(job, model))
+    for step in range(first_step, config.train_iters):
+        indices = run_state.seeded_passes(len(pairs), step, job.dpo.global_batch_size, config.seed)
+        batches = micro_batches(job, [pairs[i] for i in indices])
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = run_pairs(job, model, batches, forward_only=False)
+        _, grad_norm, _ = optimizer.step()
+        figures = _figures(reports) | {"grad_norm": float(grad_norm or 0.0), "lr": optimizer.param_groups[0]["lr"]}
+        scheduler.step(increment=1)
+        done = step + 1
+        if job.valid_ids and (done == config.train_iters or (interval and done % interval == 0)):
+            held_out = evaluate(job, model)
+            valid.append({"step": done} | held_out)
+            figures |= {"valid_loss": held_out["loss"], "valid_accuracy": held_out["accuracy"]}
+        saved = run_state.save_if_due(config, model, optimizer, scheduler, done,
+                                      Path(config.checkpoint.load_dir) / checkpoint.HF_ASSETS) or saved
+        history.append(figures)
+        log.write(done, figures)
+        if worker.rank() == 0:
+            worker.progress(done, config.train_iters, loss=figures["loss"], accuracy=figures["accuracy"])
+    log.close()
+    if first_step == config.train_iters:  # a finished run asked again: its checkpoint, and its held-out figures
+        saved = Path(started_from)
+        if job.valid_ids:
+            valid.append({"step": first_step} | evaluate(job, model))
+    return {"first_step": first_step, "started_from": started_from, "steps": history, "valid": valid,
+            "checkpoint": str(saved) if saved else None, "world_size": torch.distributed.get_world_size(),
+            "device": device.name}
+
+
+@worker.entry(DPOJob)
+def main(job: DPOJob) -> dict[str, Any]:
+    with worker.session(job.run.parallel, job.run.seed) as device:
+        return train(job, device)
+
+
+if __name__ == "__main__":
+    main()
