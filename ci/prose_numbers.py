@@ -41,7 +41,10 @@ DEFINITIONS: dict[str, dict[str, str]] = {
                 "4": "bytes of an fp32 gradient", "12": "bytes of Adam's two moments and an fp32 master weight",
                 "18": "bytes per parameter of full fine-tuning before activations (2 + 4 + 12)",
                 "2": "bytes of a bf16 value"},
+    "09_plan_a_run": {"80": "an H100's memory in GB", "16": "bytes per parameter of full fine-tuning before "
+                      "activations (bf16 weights, fp32 gradients, Adam's state)"},
     "11_evaluate": {"1e-4": "the log-likelihood bound tests/test_harness.py asserts"},
+    "12_preference_tuning": {"2023": "the year of the DPO and IPO papers", "2024": "the year of the SimPO paper"},
     "08_rlhf": {"1.16": "TRL's version", "259": "the byte-level tokenizer's size: 256 bytes and 3 special tokens",
                 "0.95": "GAE's lambda (PPOConfig's default)", "20%": "the KL controller's clip (Ziegler et al.)",
                 "0.05": "a bound tests/test_notebooks.py asserts", "0.1": "a bound tests/test_notebooks.py asserts",

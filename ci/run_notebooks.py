@@ -22,10 +22,10 @@ from pathlib import Path
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 KERNEL = "python3"
 
-# Notebooks 01, 03, 06, 07, 10 and 11 run SmolLM2-135M-Instruct, a real trained model, by default; these parameters run them on
-# tiny random models instead, about a minute each on 2 CPU cores: what CI runs (tests/test_notebooks.py) and `--tiny`
-# gives. Each notebook says what its tiny run can and cannot show; the others are tiny by default (their points need
-# many runs: 02, 04, 05, 08) or need no model (09).
+# Notebooks 01, 03, 06, 07, 10, 11 and 12 run SmolLM2-135M-Instruct, a real trained model, by default; these
+# parameters run them on tiny random models instead, a minute or two each on 2 CPU cores: what CI runs
+# (tests/test_notebooks.py) and `--tiny` gives. Each notebook says what its tiny run can and cannot show; the others
+# are tiny by default (their points need many runs: 02, 04, 05, 08) or need no model (09).
 TINY: dict[str, dict] = {
     "01_convert_checkpoint": {"REAL_MODEL": False},
     "03_continued_pretraining": {"REAL_MODEL": False, "LR": 3e-3, "MIN_LR": 3e-4, "TRAIN_ITERS": 200, "WARMUP_ITERS": 20,
@@ -36,6 +36,7 @@ TINY: dict[str, dict] = {
     "10_lora": {"REAL_MODEL": False, "TRAIN_ITERS": 30, "LORA_LR": 1e-2, "FULL_LR": 3e-3},
     "11_evaluate": {"REAL_MODEL": False, "FINETUNED": {}, "MMLU_PER_SUBJECT": 1, "CLOZE_ITEMS": 24, "TEXTS": 12,
                     "TENSOR_PARALLEL": 2},
+    "12_preference_tuning": {"REAL_MODEL": False, "PAIRS": 128, "STEPS": 16, "LR": 1e-3, "JUDGED": ["DPO"]},
 }
 
 

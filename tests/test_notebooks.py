@@ -236,6 +236,12 @@ def check_plan(m: dict) -> None:
     # optimizer's ranks hold slightly different shares, the plan predicts their average).
     assert m["cpu_configs"] == 3 and m["cpu_layers"] == ["local"] and m["cpu_comparisons"] == 30
     assert m["cpu_worst_relative_error"] <= 0.05
+    # The plan models the layers a GPU image with Transformer Engine builds, and NVIDIA's published layouts fit on it
+    # (tests/test_plan_gpu.py holds each); section 5: full fine-tuning of an 8B model fits no single 80 GB GPU (16
+    # bytes per parameter before activations), LoRA fits one
+    assert m["layers"] == "transformer-engine" and set(m["published_fit"].values()) == {"yes"}
+    dsw = m["dsw_fits"]
+    assert dsw["H100-80GB x1 full fine-tuning"] == "no" and dsw["H100-80GB x1 LoRA rank 16"] == "yes"
 
 
 # What notebooks 01, 03, 06 and 07 claim on their default model, SmolLM2-135M-Instruct. CI runs them tiny
@@ -331,6 +337,17 @@ def check_evaluate_real(m: dict) -> None:
     assert m["token_perplexity"]["base"] < 100 and m["cloze_accuracy"]["base"] > 0.05
 
 
+def check_preference(m: dict) -> None:
+    # Every variant learns the pairs: held-out preference accuracy up by at least 20 points and above 60% (the tiny run
+    # measured 31% -> 72-73% for DPO and IPO, 38% -> 70% for SimPO), its margin up; the judged run's wins, ties and
+    # losses cover the held-out prompts, and the KL it paid is positive beyond two standard errors
+    for run in ("dpo", "ipo", "simpo"):
+        start, end = m[f"{run}_valid_start_accuracy"], m[f"{run}_valid_end_accuracy"]
+        assert end >= max(start + 0.2, 0.6) and m[f"{run}_valid_end_margin"] > m[f"{run}_valid_start_margin"], run
+    assert sum(m["dpo_wins"]) == 64 and 0.0 <= m["dpo_win_rate"] <= 1.0
+    assert m["dpo_kl"] > 2 * m["dpo_kl_stderr"] > 0
+
+
 REAL_CHECKS = {"01_convert_checkpoint": check_convert_real, "03_continued_pretraining": check_pretraining_real,
                "06_supervised_finetuning": check_sft_real, "07_inference": check_inference_real, "10_lora": check_lora_real,
                "11_evaluate": check_evaluate_real}
@@ -362,6 +379,7 @@ CHECKS = {
     "09_plan_a_run": check_plan,
     "10_lora": check_lora,
     "11_evaluate": check_evaluate,
+    "12_preference_tuning": check_preference,
 }
 
 

@@ -7,6 +7,8 @@ import argparse
 import sys
 
 from pai_cookbook.core.configs.model_config import ConfigError
+from pai_cookbook.core.machine.build import LOCAL_LAYERS, TE_LAYERS
+from pai_cookbook.plan import search
 from pai_cookbook.plan.hardware import GPUS, Cluster, gpu
 from pai_cookbook.plan.layouts import Workload
 from pai_cookbook.plan.memory import FRAMEWORK_OVERHEAD_GIB
@@ -24,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--tokens", type=float, default=None, help="training tokens, for the days column")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--layers", default=TE_LAYERS, choices=(TE_LAYERS, LOCAL_LAYERS),
+                        help="the layer path the run builds: Transformer Engine's spec (GPU images with TE) or the local "
+                             "spec (no TE; what the cookbook's CPU memory check measures)")
     parser.add_argument("--overhead-gib", type=float, default=FRAMEWORK_OVERHEAD_GIB)
     parser.add_argument("--top", type=int, default=15, help="rows shown")
     args = parser.parse_args(argv)
@@ -35,14 +40,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
         model = model_shape(args.model)
         cluster = Cluster(gpu=gpu(args.gpu), gpus_per_node=args.gpus_per_node, nodes=args.nodes)
-        workload = Workload(seq_length=args.seq_length, global_batch_size=args.global_batch, dtype=args.dtype)
+        workload = Workload(seq_length=args.seq_length, global_batch_size=args.global_batch, dtype=args.dtype,
+                            layers=args.layers)
         options = plan(model, cluster, workload, args.overhead_gib)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     fitting = sum(o.fits for o in options)
-    print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}: {len(options)} valid "
-          f"layouts, {fitting} fit in {cluster.gpu.memory_gib} GiB (MFU {cluster.gpu.mfu:.3f}: {cluster.gpu.mfu_source})")
+    print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, {args.layers} layers: "
+          f"{len(options)} valid layouts, {fitting} fit in {cluster.gpu.memory_gib} GiB (MFU {cluster.gpu.mfu:.3f}: "
+          f"{cluster.gpu.mfu_source}); speeds within {search.TIED_WITHIN:.0%} of each other are a tie")
     print(table(options, args.tokens, args.top))
     return 0
 

@@ -1,7 +1,18 @@
 """Activations: the bytes autograd keeps for backward, per layer and micro-batch, and their peak over the pipeline
-schedule on one rank.
+schedule on one rank, on the layer path the run builds (`Workload.path`).
 
-What each layer saves is what Megatron-Core 0.16.1's local spec saves with PyTorch's kernels (the cookbook's
+**Transformer Engine's spec** (the default on a GPU; each tensor is what upstream's code saves, docs/planning.md cites
+each): a norm fused into the linear after it (TE's `LayerNormLinear`) keeps its input and its output in e and 1/rms in
+fp32, s_n b (2 h e + 4), whether or not its output is gathered for the linear (TE saves the local slice and gathers
+again in backward); attention keeps what the local spec's does (the QKV output, alive as v's storage, rotated q and k,
+the fused kernel's output and log-sum-exp), with the rotary embedding fused (no cos and sin per layer); a dense SwiGLU
+MLP keeps fc1's output and the fused activation's, 3 s b f/t e (GELU: 2 s b f/t e); an MoE layer's experts keep
+fc1's output and the probability-weighted activation's, 3 N f_moe/etp e; the final norm is TE's (input, output,
+1/rms). With MHA, GELU, no rotary embedding and no dropout this is Korthikanti et al. 2022's per-layer count without
+the attention scores and the dropout masks, 32 s b h bytes (tests/test_plan.py).
+
+**The local spec** (a GPU without TE, LoRA, and the cookbook's CPU check): what Megatron-Core 0.16.1's local spec saves
+with PyTorch's kernels (the cookbook's
 `PAI_COOKBOOK_LAYERS=local` path: `core.modeling.attention.SDPAttention` on `scaled_dot_product_attention`'s flash kernel,
 `torch.nn.RMSNorm`), read off the operators and checked against `core.measures.memory_probe` (docs/planning.md lists every
 tensor). Per micro-batch of b sequences of s tokens (s = seq / CP), e bytes per activation (2 in bf16, 4 in fp32),
@@ -44,6 +55,7 @@ from dataclasses import dataclass
 
 from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import ModelConfig
+from pai_cookbook.core.machine.build import TE_LAYERS
 from pai_cookbook.plan.layouts import Layout, Workload
 from pai_cookbook.plan.states import DTYPE_BYTES, chunk_layers, is_first, is_last, is_moe_layer
 
@@ -52,7 +64,7 @@ FP32, INT64, BOOL = 4, 8, 1
 
 @dataclass(frozen=True)
 class Dims:
-    """A micro-batch's sizes on one rank."""
+    """A micro-batch's sizes on one rank, and the layer path."""
 
     s: int
     """Sequence on this rank (seq / CP)."""
@@ -60,18 +72,22 @@ class Dims:
     """Sequence in the norm regions (s / TP with sequence parallelism)."""
     b: int
     e: int
+    te: bool = False
+    """Transformer Engine's spec (else the local spec)."""
 
 
 def dims(layout: Layout, workload: Workload) -> Dims:
     s = workload.seq_length // layout.cp
     return Dims(s=s, s_norm=s // layout.tp if layout.sequence_parallel else s, b=layout.micro_batch_size,
-                e=DTYPE_BYTES[workload.dtype])
+                e=DTYPE_BYTES[workload.dtype], te=workload.path == TE_LAYERS)
 
 
 def norm_bytes(model: ModelConfig, x: Dims, width: int | None = None) -> int:
-    """One norm over `width` (the hidden size by default): fp32 input and normalised input, 1/rms, its output in e."""
+    """One norm over `width` (the hidden size by default). Local spec: fp32 input and normalised input, 1/rms, its
+    output in e. Transformer Engine: input and output in e, 1/rms."""
     tokens = x.s_norm * x.b
-    return tokens * (width or model.hidden_size) * (2 * FP32 + x.e) + tokens * FP32
+    per_element = 2 * x.e if x.te else 2 * FP32 + x.e
+    return tokens * (width or model.hidden_size) * per_element + tokens * FP32
 
 
 def latent_attention_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
@@ -97,13 +113,15 @@ def attention_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     saved = tokens * (q + 2 * kv + q + kv + q) // t * x.e
     if layout.recompute != "selective":
         saved += x.b * (m.num_attention_heads // t) * x.s * FP32  # log-sum-exp
-    if m.position_embedding_type == "rope":
-        saved += 4 * x.s * d * x.e  # cos and sin for q and for k
+    if m.position_embedding_type == "rope" and not x.te:
+        saved += 4 * x.s * d * x.e  # cos and sin for q and for k (TE's fused rotary kernel keeps neither)
     return saved
 
 
 def mlp_bytes(model: ModelConfig, layout: Layout, x: Dims, ffn: int) -> int:
-    per_token = 5 * ffn if model.activation == "swiglu" else 2 * ffn
+    """A dense MLP. SwiGLU: the local spec keeps fc1's output, silu's, the up half (+0) and the product, 5f per token;
+    Transformer Engine's fused activation keeps its input (fc1's output) and fc2 its input, 3f. GELU: 2f."""
+    per_token = (3 if x.te else 5) * ffn if model.activation == "swiglu" else 2 * ffn
     return x.s * x.b * per_token // layout.tp * x.e
 
 
@@ -136,7 +154,8 @@ def moe_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
         dispatch = 2 * sent * INT64
     probs = received * (FP32 if x.e == FP32 else x.e)
     fm = m.moe_ffn_hidden_size or m.ffn_hidden_size
-    experts_saved = received * m.hidden_size * x.e + received * 6 * fm // (layout.etp or layout.tp) * x.e
+    per_expert_token = 3 if x.te else 6  # TE: fc1's output and the fused weighted SwiGLU's; local: SwiGLU + scaling
+    experts_saved = received * m.hidden_size * x.e + received * per_expert_token * fm // (layout.etp or layout.tp) * x.e
     shared = 0
     if m.moe_shared_expert_intermediate_size:
         shared = mlp_bytes(m, layout, x, m.moe_shared_expert_intermediate_size)

@@ -35,7 +35,8 @@ def layouts_markdown(options: Sequence[Option], memory_gib: float, tokens: float
     days = f" days for {tokens:.0e} tokens |" if tokens else ""
     head = f"| | layout | GiB per GPU (of {memory_gib:g}) | tokens/s |{days}\n|---|---|---|---|{'---|' * bool(tokens)}\n"
     return head + "\n".join(
-        f"| {i} | {o.layout.describe()} | {o.memory.total / GIB:.1f}{'' if o.fits else ' (does not fit)'} | "
+        f"| {i} | {o.layout.describe()}{' (CP: needs TE, Megatron-LM/NeMo)' if o.layout.cp > 1 else ''} | "
+        f"{o.memory.total / GIB:.1f}{'' if o.fits else ' (does not fit)'} | "
         f"{o.time.tokens_per_s:,.0f} |" + (f" {o.time.days(tokens):.1f} |" if tokens else "")
         for i, o in enumerate(options, 1))
 

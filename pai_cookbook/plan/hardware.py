@@ -40,6 +40,12 @@ class GPU:
     """Inter-node bandwidth per GPU and direction, GB/s (one 400 Gb/s NIC per GPU = 50)."""
     mfu: float = H100_MFU
     mfu_source: str = "borrowed from the H100's measured 364 TFLOP/s (0.368 of its datasheet peak)"
+    bf16: bool = True
+    """Tensor cores that compute in bf16 (Ampere, sm80, and later)."""
+    transformer_engine: bool = True
+    """Transformer Engine's fused attention and FlashAttention-2 run on it (sm80 and later)."""
+    limits: str = ""
+    """What it cannot do, said plainly."""
 
     def peak_flops(self, dtype: str) -> float:
         """Datasheet dense FLOP/s for GEMMs in `dtype` ("bf16", "fp32", ...)."""
@@ -59,6 +65,21 @@ GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
     GPU(name="A100-40GB", datasheet_name="NVIDIA A100-SXM4-40GB", memory_gib=39.4, nvlink_gbps=300, network_gbps=25),
     GPU(name="L40S-48GB", datasheet_name="NVIDIA L40S", memory_gib=44.4, nvlink_gbps=32, network_gbps=25),
     GPU(name="B200-180GB", datasheet_name="NVIDIA B200", memory_gib=178.0, nvlink_gbps=900, network_gbps=50),
+    # What PAI-DSW rents beside the H-class: PCIe cards without NVLink (PCIe 4.0 x16: 32 GB/s per direction, 3.0: 16),
+    # and two generations before bf16.
+    GPU(name="A10-24GB", datasheet_name="NVIDIA A10", memory_gib=22.0, nvlink_gbps=32, network_gbps=12.5,
+        limits="no NVLink: tensor and pipeline parallel traffic crosses PCIe"),
+    GPU(name="L20-48GB", datasheet_name="NVIDIA L20", memory_gib=44.4, nvlink_gbps=32, network_gbps=12.5,
+        limits="no NVLink: tensor and pipeline parallel traffic crosses PCIe"),
+    GPU(name="V100-32GB", datasheet_name="Tesla V100-SXM2-32GB", memory_gib=31.5, nvlink_gbps=150, network_gbps=12.5,
+        bf16=False, transformer_engine=False,
+        limits="no bf16 (fp32 here; fp16 with loss scaling is not a cookbook precision); no FlashAttention-2 or "
+               "Transformer Engine fused attention (sm70): the local spec, PyTorch's memory-efficient attention"),
+    GPU(name="T4-16GB", datasheet_name="Tesla T4", memory_gib=14.5, nvlink_gbps=16, network_gbps=12.5, bf16=False,
+        transformer_engine=False,
+        limits="no bf16 (fp32 here; fp16 with loss scaling is not a cookbook precision); no FlashAttention-2 or "
+               "Transformer Engine fused attention (sm75): the local spec, PyTorch's memory-efficient attention; "
+               "PCIe 3.0, no NVLink"),
 )}
 
 

@@ -2,9 +2,14 @@
 a cluster (`valid_layouts`), valid by the cookbook's own rules: `RunConfig.validate` (`core.configs.layout.check` and the batch
 rules), never a second copy of them.
 
-Context parallelism (CP) is a planner dimension only: the cookbook's `ParallelConfig` has no CP yet, and Megatron-Core's
-local attention refuses it (it needs Transformer Engine's). A layout with CP is checked as the same layout on
-world / CP processes, plus Megatron-Core's own CP rule (the sequence splits into 2 x CP chunks for load balance).
+The layer path (`Workload.layers`) is the one a run decides (`core.machine.build`): Transformer Engine's spec where TE
+is installed (NGC and PAI images; the plan's default), Megatron-Core's local spec otherwise, and always with LoRA (the
+adapters wrap the local spec's linears). It decides what each layer saves (`plan.activations`).
+
+Context parallelism (CP) is a planner dimension only, on the Transformer Engine path: Megatron-Core's local attention
+refuses it, and the cookbook's `ParallelConfig` has no CP yet (a CP layout is one for Megatron-LM or NeMo). A layout
+with CP is checked as the same layout on world / CP processes, plus Megatron-Core's own CP rule (the sequence splits
+into 2 x CP chunks for load balance).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pai_cookbook.core.configs.config import (
 from pai_cookbook.core.configs.layout import divisors
 from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import require
+from pai_cookbook.core.machine.build import CPU_LAYERS, LOCAL_LAYERS, TE_LAYERS
 
 Recompute = Literal["selective", "full"] | None
 RECOMPUTES: tuple[Recompute, ...] = (None, "selective", "full")
@@ -61,6 +67,11 @@ class Layout:
         """Ranks an expert's gradients are reduced over: world / (PP x EP x expert-TP)."""
         return world // (self.pp * self.ep * (self.etp or self.tp))
 
+    @property
+    def needs_context_parallel_trainer(self) -> bool:
+        """CP > 1: Transformer Engine's attention under Megatron-LM or NeMo; the cookbook's trainer has no CP."""
+        return self.cp > 1
+
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"] + ([f"VPP{self.vpp}"] if self.vpp else [])
         parts += [f"CP{self.cp}"] * (self.cp > 1) + [f"EP{self.ep}"] * (self.ep > 1) + ["SP"] * self.sequence_parallel
@@ -78,6 +89,9 @@ class Workload:
     dtype: Literal["bf16", "fp32"] = "bf16"
     lora: LoRAConfig | None = None
     """LoRA adapters on the frozen model (`RunConfig.lora`): only they have gradients and optimizer state."""
+    layers: str = TE_LAYERS
+    """The layer path (`core.machine.build`): Transformer Engine's spec (a GPU image with TE, the default) or the local
+    spec (a GPU without TE, and what the cookbook's memory check measures on the CPU)."""
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "global_batch_size"):
@@ -85,6 +99,16 @@ class Workload:
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                     f"{name} {value!r} must be a whole number >= 1 (tokens per sequence; sequences per step).")
         require(self.dtype in ("bf16", "fp32"), f"dtype {self.dtype!r}: the plan models 'bf16' and 'fp32'.")
+        require(self.layers in (TE_LAYERS, LOCAL_LAYERS),
+                f"layers {self.layers!r}: the plan models {TE_LAYERS!r} and {LOCAL_LAYERS!r}"
+                + (" (the CPU path's converters save less than upstream's local spec; plan it as 'local')"
+                   if self.layers == CPU_LAYERS else "") + ".")
+
+    @property
+    def path(self) -> str:
+        """The layers a run of this workload builds: the local spec with LoRA (its adapters wrap the local linears),
+        else `layers`."""
+        return LOCAL_LAYERS if self.lora is not None else self.layers
 
     def micro_batches(self, layout: Layout, world: int) -> int:
         """Micro-batches per step on one data-parallel rank: global / (micro x DP)."""
@@ -116,7 +140,7 @@ def from_run_config(config: RunConfig) -> tuple[Layout, Workload]:
                     distributed_optimizer=config.optimizer.use_distributed_optimizer)
     require(config.precision.dtype in ("bf16", "fp32"), f"the plan models bf16 and fp32, got {config.precision.dtype}.")
     return layout, Workload(seq_length=config.data.seq_length, global_batch_size=config.data.global_batch_size,
-                            dtype=config.precision.dtype, lora=config.lora)
+                            dtype=config.precision.dtype, lora=config.lora, layers=LOCAL_LAYERS)
 
 
 def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) -> None:
@@ -126,6 +150,9 @@ def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) ->
         ConfigError: naming the offending value and the fix.
     """
     require(world % layout.cp == 0, f"world size {world} is not divisible by CP={layout.cp}.")
+    require(layout.cp == 1 or workload.path == TE_LAYERS,
+            f"CP={layout.cp} needs Transformer Engine's attention; Megatron-Core's local spec refuses it"
+            + (" (and LoRA builds the local spec)" if workload.lora is not None else "") + ".")
     require(layout.cp == 1 or workload.seq_length % (2 * layout.cp) == 0,
             f"seq_length {workload.seq_length} is not divisible by 2 x CP = {2 * layout.cp} (Megatron-Core splits the "
             f"sequence into 2 x CP chunks for load balance).")
@@ -138,16 +165,18 @@ def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) ->
 def valid_layouts(model: ModelConfig, workload: Workload, world: int, gpus_per_node: int,
                   micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
     """Every layout of `model` on `world` GPUs the cookbook accepts: TP within a node, PP over divisors of the layers
-    (interleaved with 2 chunks where it divides), CP up to a node, EP over divisors of the experts, sequence
-    parallelism on and off at TP > 1, each micro-batch size, each recompute, with and without the distributed
-    optimizer."""
+    (interleaved with every number of chunks per stage that divides its layers), CP up to a node on the Transformer
+    Engine path, EP over divisors of the experts, sequence parallelism on and off at TP > 1, each micro-batch size,
+    each recompute, with and without the distributed optimizer."""
     tps = [t for t in divisors(gpus_per_node) if t <= world]
+    cps = tps if workload.path == TE_LAYERS else [1]
     experts = divisors(model.num_experts) if model.is_moe else [1]
-    for tp, pp, cp, ep in ((t, p, c, e) for t in tps for p in divisors(model.num_layers) for c in tps
+    for tp, pp, cp, ep in ((t, p, c, e) for t in tps for p in divisors(model.num_layers) for c in cps
                            for e in experts):
         if tp * pp * cp > world or world % (tp * pp * cp):
             continue
-        for vpp in (None, 2) if pp > 1 else (None,):
+        chunks = [v for v in divisors(model.num_layers // pp) if v > 1] if pp > 1 else []
+        for vpp in [None] + chunks:
             for sp, mbs, recompute, distopt in ((s, b, r, d) for s in ((False, True) if tp > 1 else (False,))
                                                 for b in micro_batch_sizes for r in RECOMPUTES for d in (False, True)):
                 layout = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sp, micro_batch_size=mbs,

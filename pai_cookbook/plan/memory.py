@@ -3,8 +3,12 @@
 `stage_memory` predicts one rank of each pipeline stage; `peak_memory` is the most loaded of them. Four terms are
 what `core.measures.memory_probe` measures and tests/test_plan.py holds within 5% of a CPU run: weights, gradients, optimizer
 (`plan.states`) and activations (`plan.activations`). Two are not measurable on the CPU and are stated as assumptions:
-- transient: the loss's working copies of the logits that are not saved for backward (the output layer's logits in e,
-  the transposed copy the loss takes, and its fp32 copy: s b V/t (2e + 4) on the last stage, s b V/t x 2e in fp32);
+- transient: the loss's working copies of the logits that are not saved for backward. On the local spec (the
+  assumption the CPU check could not test): the output layer's logits in e, a transposed copy and the fp32 copy,
+  s b V/t (2e + 4) on the last stage, s b V/t x 2e in fp32. On Transformer Engine's path, read off Megatron-Core's
+  loss (`vocab_parallel_cross_entropy` makes the fp32 copy it saves from the logits, then works in place): the logits in
+  e while that copy is made, and as many again where the vocabulary is padded (the cookbook's mask of the padding rows
+  writes a new tensor), s b V/t e (x 2 padded);
 - overhead: `FRAMEWORK_OVERHEAD_GIB`, the CUDA context, NCCL's communicators and the caching allocator's fragmentation.
 """
 
@@ -17,9 +21,11 @@ from pai_cookbook.core.configs.model_config import ModelConfig
 from pai_cookbook.plan import activations, states
 from pai_cookbook.plan.layouts import Layout, Workload, from_run_config
 
-FRAMEWORK_OVERHEAD_GIB = 3.0
-"""Assumed, not measured by this project: ~0.5 GiB CUDA context (H100, torch 2.x), ~1 GiB of NCCL buffers for a few
-communicators, and ~1.5 GiB of the caching allocator's fragmentation and cuBLAS workspaces."""
+FRAMEWORK_OVERHEAD_GIB = 1.5
+"""Assumed, not measured by this project: ~0.5 GiB CUDA context (H100, torch 2.x), ~0.5 GiB of NCCL buffers for the
+communicators a step uses, ~0.5 GiB of the caching allocator's fragmentation and cuBLAS/TE workspaces. Bounded by
+NVIDIA's published layouts, which run on 80 GB H100s: with the rest of this model they leave 1.7 GiB (NeMo's Llama-3-8B,
+TP1 PP1 CP2) and 2.6 GiB (Llama-3-70B, TP4 PP4 VPP5 CP2) for it (docs/planning.md, tests/test_plan.py)."""
 MEASURED = ("weights", "gradients", "optimizer", "activations")
 """The terms `core.measures.memory_probe` measures."""
 
@@ -55,7 +61,10 @@ def stage_memory(model: ModelConfig, layout: Layout, workload: Workload, world: 
     if stage == layout.pp - 1:
         x = activations.dims(layout, workload)
         vocab = model.padded_vocab_size(layout.tp) // layout.tp
-        transient = x.s * x.b * vocab * (2 * x.e + (activations.FP32 if x.e != activations.FP32 else 0))
+        if x.te:
+            transient = x.s * x.b * vocab * x.e * (1 + (model.padded_vocab_size(layout.tp) != model.vocab_size))
+        else:
+            transient = x.s * x.b * vocab * (2 * x.e + (activations.FP32 if x.e != activations.FP32 else 0))
     return StageMemory(stage=stage, weights=held.weights, gradients=held.gradients, optimizer=held.optimizer,
                        activations=peak, transient=transient, overhead=round(overhead_gib * 2**30),
                        in_flight=in_flight)

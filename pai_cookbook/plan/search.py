@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pai_cookbook.core.configs.model_config import ModelConfig, require
+from pai_cookbook.core.machine.build import LOCAL_LAYERS, TE_LAYERS
 from pai_cookbook.plan.hardware import GIB, Cluster
 from pai_cookbook.plan.layouts import Layout, Workload, valid_layouts
 from pai_cookbook.plan.memory import FRAMEWORK_OVERHEAD_GIB, StageMemory, peak_memory
@@ -41,6 +42,11 @@ def plan(model: ModelConfig, cluster: Cluster, workload: Workload, overhead_gib:
     require(workload.seq_length <= model.max_position_embeddings,
             f"seq_length {workload.seq_length} exceeds the model's {model.max_position_embeddings} positions "
             f"(max_position_embeddings); plan a sequence of at most that.")
+    gpu = cluster.gpu
+    require(workload.dtype != "bf16" or gpu.bf16,
+            f"the {gpu.name} has no bf16 tensor cores ({gpu.limits}); plan dtype='fp32'.")
+    require(workload.path != TE_LAYERS or gpu.transformer_engine,
+            f"the {gpu.name} cannot run Transformer Engine's layers ({gpu.limits}); plan layers='{LOCAL_LAYERS}'.")
     options = [evaluate(model, layout, workload, cluster, overhead_gib)
                for layout in valid_layouts(model, workload, cluster.world_size, cluster.gpus_per_node,
                                            micro_batch_sizes)]
@@ -89,7 +95,8 @@ def table(options: list[Option], tokens: float | None = None, top: int = 10) -> 
     for o in options[:top]:
         mem = o.memory.terms()
         times = o.time.terms()
-        row = [o.layout.describe() + ("" if o.fits else " (does not fit)")]
+        row = [o.layout.describe() + ("" if o.fits else " (does not fit)")
+               + (" [CP: TE, Megatron-LM/NeMo]" if o.layout.needs_context_parallel_trainer else "")]
         row += [f"{mem[c] / GIB:.1f}" for c in MEMORY_COLUMNS] + [f"{times[c] * 1e3:.0f}" for c in TIME_COLUMNS]
         row += [f"{o.time.tokens_per_s / o.world:,.0f}", f"{o.time.tokens_per_s:,.0f}"]
         row += [f"{o.time.days(tokens):.1f}"] if tokens else []

@@ -1,0 +1,135 @@
+"""The planner on the GPUs users run: Transformer Engine's layer path term by term against what upstream's code saves,
+NVIDIA's published layouts predicted to fit, context parallelism only where TE runs it, every interleaving depth
+searched, and the GPUs PAI-DSW rents (what each cannot do refused by name). No GPU is needed: these are the model's
+own arithmetic, checked against its sources; the CPU measurements are tests/test_plan.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from pai_cookbook.core.configs.lora import LoRAConfig
+from pai_cookbook.core.configs.model_config import ConfigError
+from pai_cookbook.plan import __main__ as plan_cli
+from pai_cookbook.plan import activations, finetune, hardware, layouts, memory, published, search
+from pai_cookbook.plan.hardware import GIB, Cluster
+from pai_cookbook.plan.layouts import Layout, Workload
+from pai_cookbook.plan.shapes import SHAPES
+
+TE, LOCAL = "transformer-engine", "local"
+
+@pytest.mark.parametrize("published", published.LAYOUTS, ids=lambda p: p.name)
+def test_published_h100_layouts_are_predicted_to_fit(published):
+    """Each runs on 80 GB H100s, so the plan must say it fits on the Transformer Engine path (the one they run). What
+    the model predicts without the overhead leaves 1.7 GiB for it in NeMo's 8B layout and 2.6 in its 70B one:
+    memory.FRAMEWORK_OVERHEAD_GIB (1.5) is bounded by them, and docs/planning.md says so."""
+    model, layout, workload = SHAPES[published.shape], published.layout, published.workload
+    layouts.check(model, layout, workload, published.world)
+    peak = memory.peak_memory(model, layout, workload, published.world)
+    gpu = hardware.gpu("H100-80GB").memory_gib * GIB
+    assert peak.total <= gpu, {k: v / GIB for k, v in peak.terms().items()}
+    assert search.evaluate(model, layout, workload, Cluster(gpu=hardware.gpu("H100-80GB"), gpus_per_node=8,
+                                                             nodes=published.world // 8 or 1)).fits
+
+
+def test_the_transformer_engine_path_saves_what_upstreams_code_saves():
+    """Llama-3-8B's layer at seq 4096, micro-batch 2, TP2 with sequence parallelism, bf16, each term from its source:
+    TE's LayerNormLinear keeps its input and output (e) and 1/rms (fp32) on the rank's slice; attention keeps the fused
+    QKV output (v is a view of it), the rotated q and k, the kernel's output and its log-sum-exp, and no rotary cos/sin
+    (TE's fused rotary kernel); the MLP keeps fc1's output (2f, the fused SwiGLU's saved input) and the activation's
+    (f, fc2's input); the loss keeps exp(logits) in fp32 and its transient is the bf16 logits."""
+    m = SHAPES["Llama-3-8B"]
+    layout = Layout(tp=2, sequence_parallel=True, micro_batch_size=2)
+    workload = Workload(seq_length=4096, global_batch_size=16)
+    x = activations.dims(layout, workload)
+    assert x.te and (x.s, x.s_norm, x.b, x.e) == (4096, 2048, 2, 2)
+    h, q, kv, f, heads = 4096, 32 * 128, 8 * 128, 14336, 32
+    tokens, slice_tokens = 4096 * 2, 2048 * 2
+    assert activations.norm_bytes(m, x) == slice_tokens * (h * 2 + h * 2 + 4)
+    kernel_stats = 2 * heads // 2 * 4096 * 4  # log-sum-exp, fp32, per sequence and head of this rank
+    assert activations.attention_bytes(m, layout, x) == tokens * ((q + 2 * kv) + (q + kv) + q) // 2 * 2 + kernel_stats
+    assert activations.mlp_bytes(m, layout, x, f) == tokens * (2 * f + f) // 2 * 2
+    assert activations.layer_bytes(m, layout, x, 0) == (2 * activations.norm_bytes(m, x) + activations.attention_bytes(
+        m, layout, x) + activations.mlp_bytes(m, layout, x, f))
+    vocab = m.padded_vocab_size(2) // 2
+    loss = tokens * vocab * 4 + tokens * (8 + 1) + tokens * 4 + 4  # exp(logits) fp32, targets and mask, loss mask
+    assert activations.head_bytes(m, layout, x) == activations.norm_bytes(m, x) + loss
+    last = memory.stage_memory(m, layout, workload, 2, 0)
+    assert last.transient == tokens * vocab * 2  # Llama 3's vocabulary needs no padding at TP2: no masked copy
+    # the local spec on the same layer: fp32 norm copies, SwiGLU's five tensors, rotary cos and sin
+    local = activations.dims(layout, Workload(seq_length=4096, global_batch_size=16, layers=LOCAL))
+    assert activations.norm_bytes(m, local) == slice_tokens * (h * (4 + 4 + 2) + 4)
+    assert activations.mlp_bytes(m, layout, local, f) == tokens * 5 * f // 2 * 2
+    assert activations.attention_bytes(m, layout, local) - activations.attention_bytes(m, layout, x) == 4 * 4096 * 128 * 2
+
+
+def test_korthikanti_s_count_is_the_te_path_s_on_its_own_assumptions():
+    """Korthikanti et al. 2022 (Table 2) count 34 s b h bytes per layer in fp16 for MHA with a GELU MLP of 4h, plus
+    5 a s^2 b for the attention scores: without the scores (a flash kernel) and the two dropout masks (s b h each;
+    these models train without dropout) that is 32 s b h. The TE path gives the same on those terms: 8 (two norms'
+    inputs and outputs) + 16 (fc1's and GELU's outputs) + 8 (the QKV output and the kernel's) = 32, once what
+    Korthikanti's model has no counterpart for is set apart: the rotated q and k (a rotary embedding, +4) and the fp32
+    log-sum-exp and 1/rms."""
+    from pai_cookbook.core.configs.model_config import ModelConfig
+
+    h, s = 1024, 2048
+    m = ModelConfig(family="llama", num_layers=1, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=16,
+                    num_query_groups=16, vocab_size=1024, max_position_embeddings=s, activation="gelu")
+    layout = Layout()
+    x = activations.dims(layout, Workload(seq_length=s, global_batch_size=1))
+    sbh = s * h
+    layer = activations.layer_bytes(m, layout, x, 0)
+    rotated_copies = sbh * 2 * 2  # q and k rotated beside the QKV buffer (Korthikanti's model has no rotary embedding)
+    small = 16 * s * 4 + 2 * s * 4  # log-sum-exp, two norms' 1/rms
+    assert layer - rotated_copies - small == 32 * sbh
+
+
+def test_context_parallelism_only_where_transformer_engine_runs_it():
+    """The local spec refuses CP (Megatron-Core's local attention), and LoRA builds the local spec: no CP layout is
+    planned there; on TE's path CP layouts are planned, marked for Megatron-LM/NeMo, and never chosen to run here."""
+    model, cluster = SHAPES["Llama-3-8B"], Cluster(gpu=hardware.gpu("H100-80GB"))
+    te = search.plan(model, cluster, Workload(seq_length=8192, global_batch_size=64))
+    local = search.plan(model, cluster, Workload(seq_length=8192, global_batch_size=64, layers=LOCAL))
+    adapters = search.plan(model, cluster, Workload(seq_length=8192, global_batch_size=64,
+                                                    lora=LoRAConfig(rank=8, alpha=16.0)))
+    assert any(o.layout.cp > 1 for o in te) and not any(o.layout.cp > 1 for o in local + adapters)
+    with pytest.raises(ConfigError, match="needs Transformer Engine"):
+        layouts.check(model, Layout(cp=2), Workload(seq_length=8192, global_batch_size=64, layers=LOCAL), 8)
+    assert search.choose(te).layout.cp == 1
+    cp_rows = [o for o in te if o.layout.cp > 1][:1]
+    assert "[CP: TE, Megatron-LM/NeMo]" in search.table(cp_rows)
+
+
+def test_every_interleaving_depth_is_searched():
+    """Published layouts interleave 5 and 8 chunks per stage: the search takes every depth that divides a stage's
+    layers (Llama-3-70B at PP4: 2, 4, 5, 10 and 20)."""
+    found = {o.vpp for o in layouts.valid_layouts(SHAPES["Llama-3-70B"], Workload(seq_length=4096, global_batch_size=64),
+                                                  32, 8) if o.pp == 4 and o.tp == 8}
+    assert found == {None, 2, 4, 5, 10, 20}
+
+
+def test_what_a_dsw_gpu_cannot_do_is_refused_by_name():
+    model = SHAPES["Llama-3-8B"]
+    with pytest.raises(ConfigError, match="V100-32GB has no bf16"):
+        search.plan(model, Cluster(gpu=hardware.gpu("V100-32GB"), gpus_per_node=2), Workload(seq_length=2048,
+                                                                                              global_batch_size=8))
+    with pytest.raises(ConfigError, match="T4-16GB cannot run Transformer Engine"):
+        search.plan(model, Cluster(gpu=hardware.gpu("T4-16GB"), gpus_per_node=2),
+                    Workload(seq_length=2048, global_batch_size=8, dtype="fp32"))
+    assert plan_cli.main(["--model", "Llama-3-8B", "--gpu", "T4-16GB", "--seq-length", "2048", "--global-batch",
+                          "8"]) == 2
+
+
+def test_fine_tuning_an_8b_model_on_the_gpus_dsw_rents():
+    """Full fine-tuning holds 16 bytes per parameter before activations (bf16 weights, fp32 gradients and Adam): an 8B
+    model fits no single GPU of 80 GB and fits two only sharded; LoRA holds the bf16 weights and little more, so one
+    80 GB or 48 GB GPU takes it, a 24 GB A10 does not (its 15 GiB of weights plus activations and overhead), two do
+    with the layers split; in fp32 (V100, T4) the weights alone take 30 GiB."""
+    rows = {(r["GPU"], r["GPUs"], r["training"].split()[0]): r for r in finetune.plans(SHAPES["Llama-3-8B"])}
+    fits = {key: row["fits"] for key, row in rows.items()}
+    for gpu in ("A100-80GB", "H100-80GB"):
+        assert (fits[(gpu, 1, "full")], fits[(gpu, 2, "full")], fits[(gpu, 1, "LoRA")]) == ("no", "yes", "yes")
+    assert (fits[("L20-48GB", 1, "LoRA")], fits[("A10-24GB", 1, "LoRA")], fits[("A10-24GB", 2, "LoRA")]) == \
+        ("yes", "no", "yes")
+    assert fits[("T4-16GB", 2, "LoRA")] == "no" and rows[("T4-16GB", 1, "full")]["precision"] == "fp32"
+    assert all(row["layers"] == LOCAL for key, row in rows.items() if key[2] == "LoRA" or key[0] in ("V100-32GB",
+                                                                                                     "T4-16GB"))
