@@ -1,5 +1,5 @@
 """Preference tuning (`dpo`): the losses by hand and as TRL writes them, training equal to TRL's DPOTrainer on the same
-pairs and model, TP=2 equal to TP=1, LoRA against its base, and what is refused before any worker starts."""
+pairs and model, TP=2 and PP=2 equal to one process, LoRA against its base, and what is refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -111,12 +111,15 @@ def test_equals_trl(start, prepared, tmp_path, loss, beta):
 
 
 @pytest.mark.multiproc
-def test_tp2_equals_tp1(start, prepared, tmp_path):
-    """The same run at TP=2 (two processes) and TP=1: every step's loss and held-out figures within 1e-5 (fp32)."""
+@pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}],
+                         ids=["TP2", "PP2"])
+def test_layouts_equal_one_process(start, prepared, tmp_path, layout):
+    """The same run at TP=2 or PP=2 (two processes, 4 micro-batches a step) and on one process: every step's loss and
+    margin, and the held-out loss, within 1e-5 (fp32)."""
     config = dpo.DPOConfig(steps=4, lr=1e-3, global_batch_size=8, micro_batch_size=2)
-    one = dpo.train(start / "start", prepared, config, run_dir=tmp_path / "tp1", **QUIET)
-    two = dpo.train(start / "start", prepared, config, parallel=ParallelConfig(tensor_model_parallel_size=2),
-                    nproc_per_node=2, run_dir=tmp_path / "tp2", **QUIET)
+    one = dpo.train(start / "start", prepared, config, run_dir=tmp_path / "one", **QUIET)
+    two = dpo.train(start / "start", prepared, config, parallel=ParallelConfig(**layout), nproc_per_node=2,
+                    run_dir=tmp_path / "two", **QUIET)
     for a, b in zip(one["steps"], two["steps"], strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["margin"] - b["margin"]) < 1e-5
     assert abs(one["valid"][-1]["loss"] - two["valid"][-1]["loss"]) < 1e-5
