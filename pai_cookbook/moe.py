@@ -29,7 +29,8 @@ from pai_cookbook.core.launching import cli, nodes
 from pai_cookbook.core.launching.jobs import UpcycleJob
 from pai_cookbook.core.measures.router_stats import AUX_LOSS_NAMES, RouterStats, moe_layer_flags
 
-__all__ = ["AUX_LOSS_NAMES", "UPCYCLE_TARGETS", "RouterStats", "UpcycleJob", "layout_parity", "load_balance", "main",
+__all__ = ["AUX_LOSS_NAMES", "UPCYCLE_TARGETS", "RouterStats", "UpcycleJob", "ep_imbalance", "layout_parity",
+           "load_balance", "main",
            "moe_layer_flags", "upcycle", "upcycled_config"]
 
 UPCYCLE_TARGETS = {"llama": "mixtral", "mistral": "mixtral"}
@@ -52,6 +53,23 @@ def load_balance(history: list[dict[str, Any]], skip: int) -> torch.Tensor:
     if loads.numel() == 0:
         raise ValueError(f"no steps after a warm-up of {skip} in a history of {len(history)}; lower `skip`.")
     return loads.mean(dim=0) * loads.shape[-1]
+
+
+def ep_imbalance(history: list[dict[str, Any]], ep: int, skip: int = 0) -> float:
+    """The most loaded expert-parallel rank's routed tokens over the mean rank's, from a run's router figures: per step
+    and MoE layer, the experts' shares summed over each rank's block of E / EP consecutive experts (Megatron-Core's
+    placement), the largest block over the mean; averaged over the steps after `skip`, the largest over the layers.
+    What the planner's `Workload.moe_imbalance` takes (1.0: balanced)."""
+    if any("expert_load" not in h for h in history):
+        raise ValueError("the history has no 'expert_load' per step: pass train.run(...)['router'] of an MoE run.")
+    loads = torch.tensor([h["expert_load"] for h in history[skip:]], dtype=torch.float64)
+    if loads.numel() == 0:
+        raise ValueError(f"no steps after a warm-up of {skip} in a history of {len(history)}; lower `skip`.")
+    steps, layers, experts = loads.shape
+    if ep < 1 or experts % ep:
+        raise ValueError(f"EP={ep} does not divide the {experts} experts; give a divisor of {experts}.")
+    blocks = loads.reshape(steps, layers, ep, experts // ep).sum(-1)
+    return float((blocks.max(-1).values / blocks.mean(-1)).mean(0).max())
 
 
 def settled(history: list[dict[str, Any]], window: int = 10, low: float = 0.5, high: float = 2.0) -> dict[str, Any]:

@@ -133,3 +133,45 @@ def test_fine_tuning_an_8b_model_on_the_gpus_dsw_rents():
     assert fits[("T4-16GB", 2, "LoRA")] == "no" and rows[("T4-16GB", 1, "full")]["precision"] == "fp32"
     assert all(row["layers"] == LOCAL for key, row in rows.items() if key[2] == "LoRA" or key[0] in ("V100-32GB",
                                                                                                      "T4-16GB"))
+
+
+def test_router_imbalance_slows_and_loads_the_busiest_expert_rank():
+    """moe.ep_imbalance from router figures (by hand: shares 0.4, 0.2, 0.2, 0.2 over two ranks are blocks of 0.6 and
+    0.4, 1.2 times their mean), and what it does to a plan: balanced routing adds nothing; at 1.5 the busiest rank's
+    experts take half their FLOPs again, and their saved activations grow."""
+    from pai_cookbook import moe
+    from pai_cookbook.plan import speed
+
+    history = [{"expert_load": [[0.4, 0.2, 0.2, 0.2]]}, {"expert_load": [[0.3, 0.3, 0.2, 0.2]]}]
+    assert moe.ep_imbalance(history, ep=2) == pytest.approx((1.2 + 1.2) / 2)
+    assert moe.ep_imbalance(history, ep=4) == pytest.approx((1.6 + 1.2) / 2)
+    with pytest.raises(ValueError, match="does not divide"):
+        moe.ep_imbalance(history, ep=3)
+    model, layout = SHAPES["Mixtral-8x7B"], Layout(pp=4, ep=8, distributed_optimizer=True)
+    cluster = Cluster(gpu=hardware.gpu("H100-80GB"), gpus_per_node=8, nodes=4)
+    balanced, skewed = (Workload(seq_length=4096, global_batch_size=256, moe_imbalance=r) for r in (1.0, 1.5))
+    even, uneven = (speed.step_time(model, layout, w, cluster) for w in (balanced, skewed))
+    assert even.moe_imbalance == 0.0 and uneven.moe_imbalance > 0 and uneven.ep == pytest.approx(1.5 * even.ep)
+    expert_flops = 3 * 2 * 32 * 2 * 3 * 4096 * 14336  # per token: fwd+bwd, layers, top-2, SwiGLU's 3 matrices
+    rate = 32 * cluster.gpu.peak_flops("bf16") * cluster.gpu.mfu
+    assert uneven.moe_imbalance == pytest.approx(256 * 4096 * expert_flops * 0.5 / rate)
+    assert memory.peak_memory(model, layout, skewed, 32).activations > memory.peak_memory(model, layout, balanced,
+                                                                                          32).activations
+    with pytest.raises(ConfigError, match="moe_imbalance"):
+        Workload(seq_length=4096, global_batch_size=256, moe_imbalance=0.5)
+
+
+def test_expert_tensor_parallelism_is_searched_apart_from_tp():
+    """An MoE model at TP > 1 is planned with its experts at TP and unsplit (expert-TP 1), as Megatron-Core's MoE
+    parallel folding allows."""
+    found = {(o.tp, o.etp) for o in layouts.valid_layouts(SHAPES["Mixtral-8x7B"], Workload(
+        seq_length=4096, global_batch_size=64), 16, 8) if o.ep == 8}
+    assert (2, None) in found and (2, 1) in found
+    assert "ETP1" in Layout(tp=2, ep=8, etp=1).describe()
+
+
+def test_gradients_in_the_weights_dtype_halve_the_buffer():
+    model, layout = SHAPES["Llama-3-8B"], Layout(distributed_optimizer=True)
+    fp32, bf16 = (memory.peak_memory(model, layout, Workload(seq_length=4096, global_batch_size=64,
+                                                             grad_reduce_in_fp32=g), 8) for g in (True, False))
+    assert bf16.gradients * 2 == fp32.gradients and bf16.weights == fp32.weights

@@ -74,12 +74,13 @@ class Dims:
     e: int
     te: bool = False
     """Transformer Engine's spec (else the local spec)."""
+    moe_imbalance: float = 1.0
 
 
 def dims(layout: Layout, workload: Workload) -> Dims:
     s = workload.seq_length // layout.cp
     return Dims(s=s, s_norm=s // layout.tp if layout.sequence_parallel else s, b=layout.micro_batch_size,
-                e=DTYPE_BYTES[workload.dtype], te=workload.path == TE_LAYERS)
+                e=DTYPE_BYTES[workload.dtype], te=workload.path == TE_LAYERS, moe_imbalance=workload.moe_imbalance)
 
 
 def norm_bytes(model: ModelConfig, x: Dims, width: int | None = None) -> int:
@@ -141,6 +142,8 @@ def moe_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     sent = tokens * k if m.moe_expert_capacity_factor is None else expert_tokens(m, layout, tokens)
     # with expert-TP each rank's expert shards take the tokens of its whole expert-TP group (the dispatcher gathers them)
     received = expert_tokens(m, layout, tokens) * (layout.etp or layout.tp)
+    if layout.ep > 1:  # the most loaded expert-parallel rank (Workload.moe_imbalance; 1.0: balanced)
+        received = round(received * x.moe_imbalance)
     router = tokens * experts * FP32 + tokens * k * (INT64 + FP32) + tokens * experts * BOOL + experts * INT64
     router += FP32 * (m.moe_aux_loss_coeff > 0)
     if m.moe_router_score_function == "sigmoid" and k > 1:

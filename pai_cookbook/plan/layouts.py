@@ -74,7 +74,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"] + ([f"VPP{self.vpp}"] if self.vpp else [])
-        parts += [f"CP{self.cp}"] * (self.cp > 1) + [f"EP{self.ep}"] * (self.ep > 1) + ["SP"] * self.sequence_parallel
+        parts += [f"CP{self.cp}"] * (self.cp > 1) + [f"EP{self.ep}"] * (self.ep > 1)
+        parts += [f"ETP{self.etp}"] * (self.etp is not None and self.etp != self.tp) + ["SP"] * self.sequence_parallel
         parts += [f"mbs{self.micro_batch_size}", self.recompute or "no-recompute",
                   "distopt" if self.distributed_optimizer else "adam"]
         return " ".join(parts)
@@ -92,6 +93,13 @@ class Workload:
     layers: str = TE_LAYERS
     """The layer path (`core.machine.build`): Transformer Engine's spec (a GPU image with TE, the default) or the local
     spec (a GPU without TE, and what the cookbook's memory check measures on the CPU)."""
+    grad_reduce_in_fp32: bool = True
+    """DDP's gradient buffer in fp32 (the cookbook's worker, NeMo's and Megatron-LM's bf16 recipes); False: in the
+    weights' dtype."""
+    moe_imbalance: float = 1.0
+    """The most loaded expert-parallel rank's routed tokens over the mean (1.0: balanced routing); `moe.ep_imbalance`
+    measures it from a run's router statistics (notebook 05's). It scales that rank's expert activations, expert
+    compute and all-to-all traffic."""
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "global_batch_size"):
@@ -99,6 +107,8 @@ class Workload:
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                     f"{name} {value!r} must be a whole number >= 1 (tokens per sequence; sequences per step).")
         require(self.dtype in ("bf16", "fp32"), f"dtype {self.dtype!r}: the plan models 'bf16' and 'fp32'.")
+        require(isinstance(self.moe_imbalance, (int, float)) and self.moe_imbalance >= 1.0,
+                f"moe_imbalance {self.moe_imbalance!r} must be >= 1.0 (the most loaded rank's tokens over the mean).")
         require(self.layers in (TE_LAYERS, LOCAL_LAYERS),
                 f"layers {self.layers!r}: the plan models {TE_LAYERS!r} and {LOCAL_LAYERS!r}"
                 + (" (the CPU path's converters save less than upstream's local spec; plan it as 'local')"
@@ -166,8 +176,8 @@ def valid_layouts(model: ModelConfig, workload: Workload, world: int, gpus_per_n
                   micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
     """Every layout of `model` on `world` GPUs the cookbook accepts: TP within a node, PP over divisors of the layers
     (interleaved with every number of chunks per stage that divides its layers), CP up to a node on the Transformer
-    Engine path, EP over divisors of the experts, sequence parallelism on and off at TP > 1, each micro-batch size,
-    each recompute, with and without the distributed optimizer."""
+    Engine path, EP over divisors of the experts with expert-TP equal to TP or 1, sequence parallelism on and off at
+    TP > 1, each micro-batch size, each recompute, with and without the distributed optimizer."""
     tps = [t for t in divisors(gpus_per_node) if t <= world]
     cps = tps if workload.path == TE_LAYERS else [1]
     experts = divisors(model.num_experts) if model.is_moe else [1]
@@ -177,10 +187,12 @@ def valid_layouts(model: ModelConfig, workload: Workload, world: int, gpus_per_n
             continue
         chunks = [v for v in divisors(model.num_layers // pp) if v > 1] if pp > 1 else []
         for vpp in [None] + chunks:
-            for sp, mbs, recompute, distopt in ((s, b, r, d) for s in ((False, True) if tp > 1 else (False,))
-                                                for b in micro_batch_sizes for r in RECOMPUTES for d in (False, True)):
-                layout = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sp, micro_batch_size=mbs,
-                                recompute=recompute, distributed_optimizer=distopt)
+            etps = (None, 1) if model.is_moe and tp > 1 else (None,)
+            for sp, mbs, recompute, distopt, etp in ((s, b, r, d, x) for s in ((False, True) if tp > 1 else (False,))
+                                                     for b in micro_batch_sizes for r in RECOMPUTES
+                                                     for d in (False, True) for x in etps):
+                layout = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp,
+                                micro_batch_size=mbs, recompute=recompute, distributed_optimizer=distopt)
                 try:
                     check(model, layout, workload, world)
                 except ConfigError:

@@ -83,7 +83,7 @@ def tied_with_fastest(options: list[Option], tied_within: float = TIED_WITHIN) -
 
 
 MEMORY_COLUMNS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead", "total")
-TIME_COLUMNS = ("compute", "recompute", "tp", "cp", "ep", "pp_bubble", "pp_p2p", "dp", "total")
+TIME_COLUMNS = ("compute", "recompute", "moe_imbalance", "tp", "cp", "ep", "pp_bubble", "pp_p2p", "dp", "total")
 
 
 def table(options: list[Option], tokens: float | None = None, top: int = 10) -> str:

@@ -5,6 +5,8 @@ the layout adds, shown apart (docs/planning.md has each formula).
   with; with LoRA no weight-gradient GEMMs for the frozen base) over world x datasheet peak x the GPU's calibrated MFU
   (`plan.hardware`). The MFU was measured on one GPU, so it includes no communication: every term below is added on
   top;
+- moe_imbalance: with EP, every rank waits for the most loaded one, whose experts take `Workload.moe_imbalance` times
+  the mean's tokens: the experts' share of the FLOPs, (imbalance - 1) times again;
 - recompute: full recompute runs every layer's forward again (the forward FLOPs less the output layer's); selective
   (core attention) the attention scores' forward, 4 s q FLOPs per token and layer;
 - tp: 2 collectives of s b h e bytes per layer in forward and 2 in backward (all-reduces, or all-gather +
@@ -31,7 +33,7 @@ from pai_cookbook.plan import states
 from pai_cookbook.plan.hardware import Cluster
 from pai_cookbook.plan.layouts import Layout, Workload
 
-TERMS = ("compute", "recompute", "tp", "cp", "ep", "pp_bubble", "pp_p2p", "dp")
+TERMS = ("compute", "recompute", "moe_imbalance", "tp", "cp", "ep", "pp_bubble", "pp_p2p", "dp")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class StepTime:
 
     compute: float
     recompute: float
+    moe_imbalance: float
     tp: float
     cp: float
     ep: float
@@ -93,13 +96,19 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     if layout.cp > 1:
         kv = s * b * 2 * model.query_groups * model.head_dim // t * e
         cp = micro * layers * 3 * (layout.cp - 1) * kv / cluster.bandwidth(t * layout.cp)
-    ep = 0.0
+    ep = imbalance = 0.0
     if model.is_moe and layout.ep > 1:
         moe_layers = sum(states.is_moe_layer(model, n) for n in range(model.num_layers)) // layout.pp
         routed = (s // t if layout.sequence_parallel else s) * b * model.moe_router_topk * h * e
-        ep = micro * moe_layers * 4 * (layout.ep - 1) / layout.ep * routed / cluster.bandwidth(t * layout.ep)
+        ep = (micro * moe_layers * 4 * (layout.ep - 1) / layout.ep * routed * workload.moe_imbalance
+              / cluster.bandwidth(t * layout.ep))
+        # every rank waits for the most loaded one: its experts' share of the FLOPs takes moe_imbalance times as long
+        gated = 3 if model.activation == "swiglu" else 2
+        expert_flops = (3.0 * 2 * sum(model.moe_flags) * model.moe_router_topk * gated * h
+                        * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
+        imbalance = tokens * expert_flops * (workload.moe_imbalance - 1.0) / rate
     vpp = layout.vpp or 1
-    stage = compute + recompute + tp + cp + ep
+    stage = compute + recompute + imbalance + tp + cp + ep
     bubble = stage * (layout.pp - 1) / (vpp * micro)
     p2p = micro * vpp * 2 * activation / cluster.bandwidth(world) if layout.pp > 1 else 0.0
     dp = 0.0
@@ -109,5 +118,5 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         span = layout.tp * layout.cp * layout.dp(world)
         moved = (params * states.GRAD_BYTES + params * e) if layout.distributed_optimizer else 2 * params * 4
         dp = (d - 1) / d * moved / cluster.bandwidth(span)
-    return StepTime(compute=compute, recompute=recompute, tp=tp, cp=cp, ep=ep, pp_bubble=bubble, pp_p2p=p2p, dp=dp,
-                    tokens_per_step=tokens)
+    return StepTime(compute=compute, recompute=recompute, moe_imbalance=imbalance, tp=tp, cp=cp, ep=ep,
+                    pp_bubble=bubble, pp_p2p=p2p, dp=dp, tokens_per_step=tokens)

@@ -6,8 +6,11 @@ those, norms and the router are whole on every rank). From that list:
 
 - weights = numel x bytes of the dtype. With the distributed optimizer DDP moves the parameters into one param buffer
   per chunk (dense, and expert parameters apart), padded as Megatron-Core pads it (`buffer_numel`);
-- gradients = DDP's grad buffer, fp32 (the worker reduces gradients in fp32: `grad_reduce_in_fp32=True`), the same
-  padded length;
+- gradients = DDP's grad buffer, fp32 (the worker reduces gradients in fp32: `grad_reduce_in_fp32=True`, as NeMo's
+  and Megatron-LM's bf16 recipes do; `Workload.grad_reduce_in_fp32=False` plans it in the weights' dtype), the same
+  padded length. Overlapping the reduction (`overlap_grad_reduce`, `overlap_param_gather`) splits these buffers into
+  buckets of the same total: it adds only each bucket's padding, which the plan leaves out (under 0.01% at
+  Megatron-Core's 40M-element buckets);
 - optimizer = Adam's exp_avg and exp_avg_sq (fp32, 8 bytes per parameter) + with bf16 weights an fp32 main copy (4
   bytes), + one fp32 step counter per parameter tensor (torch's Adam). The distributed optimizer keeps only this rank's
   1 / DP shard of each buffer (dense over DP x CP, experts over the expert-DP group), padding excluded.
@@ -215,7 +218,7 @@ def states(model: ModelConfig, layout: Layout, workload: Workload, world: int, p
             unpadded, tensors = sum(sizes) + shared, len(sizes) + bool(shared)
             params, trainable = params + unpadded, trainable + unpadded
             weights += (numel if dist else unpadded) * e
-            grads += numel * GRAD_BYTES
+            grads += numel * (GRAD_BYTES if workload.grad_reduce_in_fp32 else e)
             share = optimizer_share(layout, group)
             optimizer += round((unpadded * per_param + tensors * STEP_COUNTER_BYTES) * share)
     return States(weights=weights, gradients=grads, optimizer=optimizer, params=params, trainable=trainable)
