@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fitting = sum(o.fits for o in options)
     print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, {args.layers} layers: "
-          f"{len(options)} valid layouts, {fitting} fit in {cluster.gpu.memory_gib} GiB (MFU {cluster.gpu.mfu:.3f}: "
+          f"{len(options)} valid layouts, {fitting} fit in {cluster.gpu.memory_gib} GiB (MFU {cluster.gpu.mfu_for(model):.3f}: "
           f"{cluster.gpu.mfu_source}); speeds within {search.TIED_WITHIN:.0%} of each other are a tie")
     print(table(options, args.tokens, args.top))
     return 0

@@ -81,7 +81,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
     """The step time of `layout` on `cluster`, term by term (module doc)."""
     world, gpu = cluster.world_size, cluster.gpu
     tokens = workload.global_batch_size * workload.seq_length
-    rate = world * gpu.peak_flops(workload.dtype) * gpu.mfu  # model FLOP/s of the whole cluster
+    rate = world * gpu.peak_flops(workload.dtype) * gpu.mfu_for(model)  # model FLOP/s of the whole cluster
     compute = tokens * training_flops_per_token(model, workload.seq_length, workload.lora is not None) / rate
     recompute = tokens * recompute_flops_per_token(model, layout, workload.seq_length) / rate
     e = states.DTYPE_BYTES[workload.dtype]
