@@ -341,29 +341,32 @@ def check_preference(m: dict) -> None:
     # Every loss learns the pairs: held-out preference accuracy up by at least 20 points and above 60% (the tiny run
     # measured 25% -> 73% for DPO, 38% -> 73% for SimPO, 25% -> 67% for DPO after SFT), its margin up; the judged runs'
     # wins, ties and losses cover the held-out prompts. A KL is never negative: its estimate may be only by its noise
-    # (the tiny model's sampled answers are random tokens, which its 16 steps on digits barely moved: measured 0.016 +-
-    # 0.038 for DPO)
+    # (the tiny model's sampled answers are random tokens, which 16 steps on digits barely move: measured 0.016 +- 0.038
+    # for DPO alone; CI judges the SFT stages only)
     runs = [r for r in ("dpo", "ipo", "simpo", "sft_then_dpo") if f"{r}_valid_end_accuracy" in m]
     assert {"dpo", "sft_then_dpo"} <= set(runs)
     for run in runs:
         start, end = m[f"{run}_valid_start_accuracy"], m[f"{run}_valid_end_accuracy"]
         assert end >= max(start + 0.2, 0.6) and m[f"{run}_valid_end_margin"] > m[f"{run}_valid_start_margin"], run
-    for judged in ("dpo", "sft", "sft_then_dpo"):
-        assert sum(m[f"{judged}_wins"]) == m["held_out"] and 0.0 <= m[f"{judged}_win_rate"] <= 1.0
-        assert m[f"{judged}_kl_stderr"] > 0 and m[f"{judged}_kl"] > -3 * m[f"{judged}_kl_stderr"], judged
+    for run in [r for r in ("dpo", "ipo", "simpo") if f"{r}_wins" in m] + ["sft", "sft_then_dpo"]:
+        assert sum(m[f"{run}_wins"]) == m["held_out"] and 0.0 <= m[f"{run}_win_rate"] <= 1.0
+        assert m[f"{run}_kl_stderr"] > 0 and m[f"{run}_kl"] > -3 * m[f"{run}_kl_stderr"], run
 
 
 def check_preference_real(m: dict) -> None:
     # SmolLM2-135M-Instruct answers "Sort: ..." in prose, never in bare digits: DPO from it on digit pairs learns the
     # pairs (held-out accuracy up) by pushing both answers down, and writes no better (measured 2026-11-28: accuracy
     # 36% -> 92%, the chosen answers' log-probability -12.5 -> -25.0, the rejected -12.5 -> -42.3; 0 wins, 11 losses of
-    # 64, KL 10.2 nats). Fine-tuned on the chosen answers first, DPO's pairs are answers the model writes, and the
-    # tuned model beats the start (docs/preference-tuning.md has the figures)
+    # 64, KL 10.2 nats). Fine-tuned on the chosen answers first it beats the start (reward 0.028 -> 0.432, 50 wins);
+    # DPO from there beats the start too (0.188, 40 wins) but not the fine-tuned model, its chosen answers pushed down
+    # with the rejected (-3.8 -> -25.6): section 4's prose says so (docs/preference-tuning.md has the figures)
     check_preference(m)
     assert m["real_model"]
     assert m["dpo_valid_end_chosen_logp"] < m["dpo_valid_start_chosen_logp"] and m["dpo_win_rate"] <= 0.5
     assert m["dpo_kl"] > 2 * m["dpo_kl_stderr"]
-    assert m["sft_then_dpo_win_rate"] > 0.5 and m["sft_then_dpo_reward"] > m["start_reward"]
+    assert m["sft_win_rate"] > 0.5 and m["sft_reward"] > m["start_reward"]
+    assert m["sft_then_dpo_win_rate"] > 0.5 and m["start_reward"] < m["sft_then_dpo_reward"] < m["sft_reward"]
+    assert m["sft_then_dpo_valid_end_chosen_logp"] < m["sft_then_dpo_valid_start_chosen_logp"]
 
 
 REAL_CHECKS = {"01_convert_checkpoint": check_convert_real, "03_continued_pretraining": check_pretraining_real,
