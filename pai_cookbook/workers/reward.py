@@ -21,7 +21,7 @@ import torch
 from pai_cookbook.core.checkpoints import checkpoint
 from pai_cookbook.core.launching import worker
 from pai_cookbook.core.launching.jobs import RewardModelJob
-from pai_cookbook.workers import run_state, training
+from pai_cookbook.workers import pair_steps, run_state, training
 
 Pair = tuple[list[int], list[int], float]
 """(chosen ids, rejected ids, margin)"""
@@ -45,13 +45,7 @@ def pair_batch(job: RewardModelJob, pairs: list[Pair]) -> dict[str, torch.Tensor
 
 def micro_batches(job: RewardModelJob, pairs: list[Pair]) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's share of `pairs`, in micro-batches."""
-    from megatron.core import parallel_state as ps
-
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    per_rank = len(pairs) // dp_size
-    mine = pairs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    size = job.rm.micro_batch_size
-    return [pair_batch(job, mine[start:start + size]) for start in range(0, len(mine), size)]
+    return pair_steps.micro_batches(pairs, job.rm.micro_batch_size, partial(pair_batch, job))
 
 
 def _forward(data_iterator, model):
@@ -73,14 +67,7 @@ def _pair_loss(batch: dict[str, Any], output: torch.Tensor):
 
 
 def run_pairs(job: RewardModelJob, model, batches: list[dict[str, Any]], forward_only: bool):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    scale = training.per_token_scale(batches)
-    batches = [b | {"loss_scale": scale} for b in batches]
-    return get_forward_backward_func()(
-        forward_step_func=_forward, data_iterator=iter(batches), model=model[0], num_microbatches=len(batches),
-        seq_length=job.run.data.seq_length, micro_batch_size=2 * job.rm.micro_batch_size,
-        decoder_seq_length=job.run.data.seq_length, forward_only=forward_only)
+    return pair_steps.run(job.run, model, batches, _forward, job.rm.micro_batch_size, forward_only)
 
 
 def _figures(reports) -> dict[str, float]:
@@ -92,16 +79,8 @@ def _figures(reports) -> dict[str, float]:
 def evaluate(job: RewardModelJob, model) -> tuple[dict[str, float], list[list[float]]]:
     """Held-out loss and accuracy over every held-out pair, and their (chosen, rejected) scores in order
     (on every rank)."""
-    from megatron.core import parallel_state as ps
-
-    pairs = pairs_of(job, "valid")  # whole micro-batches on every rank (pipeline stages exchange fixed shapes)
-    usable = len(pairs) - len(pairs) % (ps.get_data_parallel_world_size() * job.rm.micro_batch_size)
-    for chunk in model:
-        chunk.eval()
-    with torch.no_grad():
-        reports = run_pairs(job, model, micro_batches(job, pairs[:usable]), forward_only=True)
-    for chunk in model:
-        chunk.train()
+    reports, usable = pair_steps.held_out(job.run, model, pairs_of(job, "valid"), job.rm.micro_batch_size,
+                                          partial(pair_batch, job), _forward)
     scores = training.gather_rows(torch.cat([r["scores"] for r in reports]).tolist() if reports else None)
     return _figures(reports) | {"pairs": usable}, scores
 

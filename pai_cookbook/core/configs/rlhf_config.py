@@ -11,6 +11,21 @@ from pai_cookbook.core.configs.model_config import ConfigError
 from pai_cookbook.core.rl.rl_math import KL_ESTIMATORS
 
 
+def check_pair_run(config) -> None:
+    """The knobs every pairwise run has (`RewardModelConfig`, `DPOConfig`): whole steps and batches, a global batch of
+    whole micro-batches, a positive rate, no negative warmup or interval."""
+    name = type(config).__name__
+    for knob in ("steps", "global_batch_size", "micro_batch_size"):
+        if getattr(config, knob) < 1:
+            raise ConfigError(f"{name}.{knob}={getattr(config, knob)} must be at least 1.")
+    if config.global_batch_size % config.micro_batch_size:
+        raise ConfigError(f"{name}.global_batch_size={config.global_batch_size} must be a multiple of "
+                          f"micro_batch_size={config.micro_batch_size}.")
+    if not config.lr > 0 or config.warmup_steps < 0 or config.eval_interval < 0:
+        raise ConfigError(f"{name}: lr={config.lr} must be > 0, warmup_steps={config.warmup_steps} and "
+                          f"eval_interval={config.eval_interval} >= 0.")
+
+
 @dataclass(kw_only=True)
 class RewardModelConfig:
     """The knobs of a reward-model run; batch sizes count pairs (each is two sequences)."""
@@ -33,15 +48,7 @@ class RewardModelConfig:
     """Prompts through the tokenizer's chat template: "auto" (when it has one), "always", "never"."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"RewardModelConfig.{name}={getattr(self, name)} must be at least 1.")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(f"RewardModelConfig.global_batch_size={self.global_batch_size} must be a multiple of "
-                              f"micro_batch_size={self.micro_batch_size}.")
-        if not self.lr > 0 or self.warmup_steps < 0 or self.eval_interval < 0:
-            raise ConfigError(f"RewardModelConfig: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} "
-                              f"and eval_interval={self.eval_interval} >= 0.")
+        check_pair_run(self)
 
 
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")
@@ -85,12 +92,7 @@ class DPOConfig:
     """Pair order (reshuffled every pass over the set)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"DPOConfig.{name}={getattr(self, name)} must be at least 1.")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(f"DPOConfig.global_batch_size={self.global_batch_size} must be a multiple of "
-                              f"micro_batch_size={self.micro_batch_size}.")
+        check_pair_run(self)
         if self.loss not in DPO_LOSSES:
             raise ConfigError(f"DPOConfig.loss={self.loss!r}; use one of {DPO_LOSSES}.")
         if not self.beta > 0:
@@ -103,9 +105,6 @@ class DPOConfig:
                               "loss has none. Set it to 0.")
         if self.lr_decay_style not in ("constant", "cosine"):
             raise ConfigError(f"DPOConfig.lr_decay_style={self.lr_decay_style!r}; use 'constant' or 'cosine'.")
-        if not self.lr > 0 or self.warmup_steps < 0 or self.eval_interval < 0:
-            raise ConfigError(f"DPOConfig: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} and "
-                              f"eval_interval={self.eval_interval} >= 0.")
 
     @property
     def uses_reference(self) -> bool:

@@ -187,6 +187,15 @@ class ParityJob(Job):
     """Where rank 0 writes each layout's logits (`layout<i>.safetensors`, key "logits"), to compare two runs."""
 
 
+def check_held_out_pairs(count: int, micro_batch_size: int, run: RunConfig, world_size: int) -> None:
+    """Held-out pairs run in whole micro-batches on every data-parallel rank: refuse a set too small to fill one."""
+    whole = run.parallel.data_parallel_size(world_size) * micro_batch_size
+    if count and count < whole:
+        raise ConfigError(f"{count} held-out pairs fill no micro-batch of {micro_batch_size} pairs on each of the "
+                          f"{whole // micro_batch_size} data-parallel ranks, so none would be scored; give at least "
+                          f"{whole} (a multiple of {whole} scores them all).")
+
+
 @dataclass(kw_only=True)
 class RewardModelJob(Job):
     """The reward-model worker's job: the training config and the pairs, tokenized."""
@@ -206,11 +215,7 @@ class RewardModelJob(Job):
 
     def check(self, world_size: int, device: Any) -> None:
         self.run.validate(world_size, device)
-        whole = self.run.parallel.data_parallel_size(world_size) * self.rm.micro_batch_size
-        if self.valid_pairs and len(self.valid_pairs) < whole:  # held-out pairs run in whole micro-batches
-            raise ConfigError(f"{len(self.valid_pairs)} held-out pairs fill no micro-batch of {self.rm.micro_batch_size} "
-                              f"pairs on each of the {whole // self.rm.micro_batch_size} data-parallel ranks, so none "
-                              f"would be scored; give at least {whole} (a multiple of {whole} scores them all).")
+        check_held_out_pairs(len(self.valid_pairs), self.rm.micro_batch_size, self.run, world_size)
 
 
 @dataclass(kw_only=True)
@@ -237,11 +242,7 @@ class DPOJob(Job):
 
     def check(self, world_size: int, device: Any) -> None:
         self.run.validate(world_size, device)
-        whole = self.run.parallel.data_parallel_size(world_size) * self.dpo.micro_batch_size
-        if self.valid_ids and len(self.valid_ids) < whole:  # held-out pairs run in whole micro-batches
-            raise ConfigError(f"{len(self.valid_ids)} held-out pairs fill no micro-batch of {self.dpo.micro_batch_size} "
-                              f"pairs on each of the {whole // self.dpo.micro_batch_size} data-parallel ranks, so none "
-                              f"would be scored; give at least {whole} (a multiple of {whole} scores them all).")
+        check_held_out_pairs(len(self.valid_ids), self.dpo.micro_batch_size, self.run, world_size)
 
 
 @dataclass(kw_only=True)
