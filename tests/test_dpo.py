@@ -41,8 +41,8 @@ def prepared(start):
 
 
 def test_losses_by_hand():
-    """Each loss at values worked out on paper (DPO, its conservative form, IPO, SimPO), and SimPO as TRL's CPOTrainer
-    computes it from the same mean log-probabilities."""
+    """Each loss at values worked out on paper (DPO, its conservative form, IPO, SimPO, DPO with RPO's supervised term),
+    and SimPO as TRL's CPOTrainer computes it from the same mean log-probabilities."""
     policy = (torch.tensor([-4.0, -9.0]), torch.tensor([-6.0, -8.0]))
     reference = (torch.tensor([-5.0, -9.5]), torch.tensor([-5.0, -8.5]))
     tokens = (torch.tensor([2.0, 3.0]), torch.tensor([4.0, 2.0]))
@@ -61,6 +61,8 @@ def test_losses_by_hand():
     means = (policy[0] / tokens[0], policy[1] / tokens[1])
     logits = 2.0 * (means[0] - means[1]) - 0.5
     assert torch.allclose(loss, -0.9 * torch.nn.functional.logsigmoid(logits) - 0.1 * torch.nn.functional.logsigmoid(-logits))
+    rpo, _, _ = preference.losses(dpo.DPOConfig(beta=0.5, sft_weight=2.0), policy, reference, tokens)
+    assert torch.allclose(rpo, torch.log1p(torch.exp(-0.5 * delta)) + 2.0 * torch.tensor([4 / 2, 9 / 3]))
     from trl.experimental.cpo.cpo_trainer import CPOTrainer
 
     trl = types.SimpleNamespace(alpha=0.0, beta=2.0, simpo_gamma=0.5, label_smoothing=0.1, loss_type="simpo",

@@ -75,6 +75,10 @@ class DPOConfig:
     """The "sigmoid" and "simpo" losses' ε in [0, 0.5): the share of pairs whose label is assumed wrong."""
     simpo_gamma: float = 0.5
     """SimPO's target margin γ (in units of β-scaled mean log-probability)."""
+    sft_weight: float = 0.0
+    """α of a supervised term beside the preference loss: α times the chosen answer's mean token negative
+    log-likelihood, per pair (RPO, Pang et al. 2024). It holds the chosen answers up where the preference loss alone
+    pushes both down (notebook 12's section 4); 0 leaves it out."""
     steps: int = 100
     lr: float = 1e-6
     """Peak learning rate, after `warmup_steps`; then constant (`lr_decay_style`) or cosine to lr / 10."""
@@ -105,6 +109,8 @@ class DPOConfig:
                               "loss has none. Set it to 0.")
         if self.lr_decay_style not in ("constant", "cosine"):
             raise ConfigError(f"DPOConfig.lr_decay_style={self.lr_decay_style!r}; use 'constant' or 'cosine'.")
+        if not self.sft_weight >= 0:
+            raise ConfigError(f"DPOConfig.sft_weight={self.sft_weight} must be >= 0 (1.0 is RPO's; 0 leaves it out).")
 
     @property
     def uses_reference(self) -> bool:
