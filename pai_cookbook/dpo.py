@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -108,7 +106,7 @@ def prepare(pairs: Sequence[dict[str, Any]], out_dir: str | Path, reference: str
         chosen equal to rejected, an empty answer), an answer cut to nothing, a folder holding something else.
     """
     from pai_cookbook import chat_template, evaluate, generate, reward_model
-    from pai_cookbook.sft import records
+    from pai_cookbook.sft import prepared, records
 
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / PAIRS_FILE).exists())):
@@ -147,26 +145,9 @@ def prepare(pairs: Sequence[dict[str, Any]], out_dir: str | Path, reference: str
                "mean_answer_tokens": sum(len(s["ids"]) - s["start"] for s in sides) / len(sides),
                "reference_logprob": {side: sum(p[side]["reference"] for p in encoded["train"]) / len(encoded["train"])
                                      for side in ("chosen", "rejected")}}
-    _write(out_dir, summary | encoded)
+    with prepared.replacing(out_dir) as partial:
+        (partial / PAIRS_FILE).write_text(json.dumps(summary | encoded))
     return summary
-
-
-def _write(out_dir: Path, content: dict[str, Any]) -> None:
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    with checkpoint.full_disk_said(partial, then="nothing was kept; give another out_dir"):
-        try:
-            (partial / PAIRS_FILE).write_text(json.dumps(content))
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-    old = out_dir.with_name(out_dir.name + ".old")
-    if out_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-    os.replace(partial, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def load(prepared: str | Path) -> dict[str, Any]:
@@ -257,9 +238,9 @@ def kl_to_reference(policy: str | Path, reference: str | Path, prompts: Sequence
     from pai_cookbook import evaluate, generate
     from pai_cookbook.core.configs.generation import GenerationConfig
     from pai_cookbook.core.launching import inputs
+    from pai_cookbook.rlhf import check_reference
 
     policy, reference = generate.resolve_checkpoint(policy), generate.resolve_checkpoint(reference)
-    from pai_cookbook.rlhf import check_reference
     check_reference(policy, reference)
     asked = [inputs.prompt_record(p, f"prompt {i}") for i, p in enumerate(prompts, start=1) for _ in range(samples)]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, top_k=0, top_p=0.0,

@@ -247,6 +247,7 @@ def trl_dpo(hf_dir: str | Path, prepared: str | Path, out_dir: str | Path, confi
 
     from pai_cookbook import dpo
     from pai_cookbook.core.configs.config import OptimizerConfig
+    from pai_cookbook.core.text import tokenizer
 
     if config.loss not in ("sigmoid", "ipo") or config.label_smoothing or config.lr_decay_style != "constant" \
             or config.warmup_steps:
@@ -272,19 +273,13 @@ def trl_dpo(hf_dir: str | Path, prepared: str | Path, out_dir: str | Path, confi
             max_length=None, seed=config.seed, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
             disable_tqdm=True, dataloader_drop_last=True)
         trainer = Pretokenized(model=hf_model(hf_dir), ref_model=hf_model(hf_dir), args=args,
-                               train_dataset=Dataset.from_list(rows), processing_class=_tokenizer(hf_dir))
+                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer.load(hf_dir))
         trainer.remove_callback(PrinterCallback)
         trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"losses": [entry["loss"] for entry in logged],
             "accuracies": [entry.get("rewards/accuracies") for entry in logged],
             "margins": [entry.get("rewards/margins") for entry in logged]}
-
-
-def _tokenizer(hf_dir: str | Path):
-    from pai_cookbook.core.text import tokenizer
-
-    return tokenizer.load(hf_dir)
 
 
 def trl_grpo(hf_dir: str | Path, prompts: Sequence[dict[str, Any]], reward: str, out_dir: str | Path, *, steps: int,

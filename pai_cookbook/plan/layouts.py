@@ -67,11 +67,6 @@ class Layout:
         """Ranks an expert's gradients are reduced over: world / (PP x EP x expert-TP)."""
         return world // (self.pp * self.ep * (self.etp or self.tp))
 
-    @property
-    def needs_context_parallel_trainer(self) -> bool:
-        """CP > 1: Transformer Engine's attention under Megatron-LM or NeMo; the cookbook's trainer has no CP."""
-        return self.cp > 1
-
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"] + ([f"VPP{self.vpp}"] if self.vpp else [])
         parts += [f"CP{self.cp}"] * (self.cp > 1) + [f"EP{self.ep}"] * (self.ep > 1)

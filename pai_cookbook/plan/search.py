@@ -95,8 +95,9 @@ def table(options: list[Option], tokens: float | None = None, top: int = 10) -> 
     for o in options[:top]:
         mem = o.memory.terms()
         times = o.time.terms()
+        # a CP layout is for Megatron-LM or NeMo with Transformer Engine: the cookbook's trainer has no CP
         row = [o.layout.describe() + ("" if o.fits else " (does not fit)")
-               + (" [CP: TE, Megatron-LM/NeMo]" if o.layout.needs_context_parallel_trainer else "")]
+               + (" [CP: TE, Megatron-LM/NeMo]" if o.layout.cp > 1 else "")]
         row += [f"{mem[c] / GIB:.1f}" for c in MEMORY_COLUMNS] + [f"{times[c] * 1e3:.0f}" for c in TIME_COLUMNS]
         row += [f"{o.time.tokens_per_s / o.world:,.0f}", f"{o.time.tokens_per_s:,.0f}"]
         row += [f"{o.time.days(tokens):.1f}"] if tokens else []

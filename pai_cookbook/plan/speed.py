@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from pai_cookbook.core.configs.model_config import ModelConfig
-from pai_cookbook.core.modeling.model import training_flops_per_token
+from pai_cookbook.core.modeling.model import routed_expert_weights, training_flops_per_token
 from pai_cookbook.plan import states
 from pai_cookbook.plan.hardware import Cluster
 from pai_cookbook.plan.layouts import Layout, Workload
@@ -103,9 +103,7 @@ def step_time(model: ModelConfig, layout: Layout, workload: Workload, cluster: C
         ep = (micro * moe_layers * 4 * (layout.ep - 1) / layout.ep * routed * workload.moe_imbalance
               / cluster.bandwidth(t * layout.ep))
         # every rank waits for the most loaded one: its experts' share of the FLOPs takes moe_imbalance times as long
-        gated = 3 if model.activation == "swiglu" else 2
-        expert_flops = (3.0 * 2 * sum(model.moe_flags) * model.moe_router_topk * gated * h
-                        * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
+        expert_flops = 3.0 * 2 * routed_expert_weights(model)  # per token, forward and backward (as compute counts)
         imbalance = tokens * expert_flops * (workload.moe_imbalance - 1.0) / rate
     vpp = layout.vpp or 1
     stage = compute + recompute + imbalance + tp + cp + ep

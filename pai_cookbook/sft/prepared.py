@@ -3,12 +3,13 @@ chat_template.jinja), checked before any worker starts; what `DataConfig(source=
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -125,24 +126,33 @@ def write(out_dir: str | Path, split: dict[str, Sequence[Sample]], seq_length: i
     """Pack (or pad) each split's samples into rows and write them with the summary; the folder appears
     whole or not at all (written beside it, then renamed). `meta` joins the summary (`vocab_size` is
     needed by `check_for_training`)."""
-    out_dir = _check_out_dir(out_dir)
-    partial = out_dir.with_name(out_dir.name + ".partial")
+    # derived data: a new preparation replaces the old one whole; a full disk (an OSError, or safetensors'
+    # SafetensorError) is said as such, with the folder
+    with replacing(_check_out_dir(out_dir)) as partial:
+        return _write_splits(partial, split, seq_length, pad_id, packed, meta)
+
+
+@contextlib.contextmanager
+def replacing(out: str | Path, then: str = "nothing was kept; give another out_dir") -> Iterator[Path]:
+    """A fresh `<out>.partial` to write derived data into (a prepared set): when the block completes it replaces `out`
+    whole (the old one set aside as `<out>.old` until the new one is in place); when it fails it is removed and `out`
+    is left as it was. A full disk is said as such, naming the folder (`checkpoint.full_disk_said`)."""
+    out = Path(out)
+    partial = checkpoint.partial_dir(out)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    # a full disk (an OSError, or safetensors' SafetensorError) said as such, with the folder
-    with checkpoint.full_disk_said(partial, then="nothing was kept; give another out_dir"):
+    with checkpoint.full_disk_said(partial, then=then):
         try:
-            summary = _write_splits(partial, split, seq_length, pad_id, packed, meta)
+            yield partial
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-    old = out_dir.with_name(out_dir.name + ".old")
-    if out_dir.exists():  # derived data: a new preparation replaces the old one whole
+    old = out.with_name(out.name + ".old")
+    if out.exists():
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-    os.replace(partial, out_dir)
+        os.replace(out, old)
+    os.replace(partial, out)
     shutil.rmtree(old, ignore_errors=True)
-    return summary
 
 
 def _check_out_dir(out_dir: str | Path) -> Path:

@@ -271,6 +271,16 @@ def _params_to(module: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
+def routed_expert_weights(model: ModelConfig) -> int:
+    """Expert weights one token passes through, over all MoE layers: its top-k routed experts' MLPs (no shared
+    expert, no router). Forward FLOPs are twice this; a training step's, three times that."""
+    if not model.is_moe:
+        return 0
+    gated = 3 if model.activation == "swiglu" else 2
+    return (sum(model.moe_flags) * model.moe_router_topk * gated * model.hidden_size
+            * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
+
+
 def training_flops_per_token(model: ModelConfig, seq_length: int, frozen_weights: bool = False) -> float:
     """Model FLOPs to train on one token: 3 x forward (forward + backward), PaLM-style accounting; with
     `frozen_weights` (LoRA: the base frozen) the weights' gradient GEMMs are not run (Megatron-Core's
@@ -295,9 +305,8 @@ def training_flops_per_token(model: ModelConfig, seq_length: int, frozen_weights
     dense_mlp = gated * h * model.ffn_hidden_size
     if model.is_moe:
         moe_layers = sum(model.moe_flags)
-        moe_mlp = (model.moe_router_topk * gated * h * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
-                   + gated * h * (model.moe_shared_expert_intermediate_size or 0) + h * model.num_experts)
-        mlp_total = moe_layers * moe_mlp + (layers - moe_layers) * dense_mlp
+        moe_mlp = gated * h * (model.moe_shared_expert_intermediate_size or 0) + h * model.num_experts
+        mlp_total = routed_expert_weights(model) + moe_layers * moe_mlp + (layers - moe_layers) * dense_mlp
     else:
         mlp_total = layers * dense_mlp
     weights = 2 * (layers * attention + mlp_total + h * model.vocab_size)
