@@ -74,6 +74,10 @@ TWO_PROCESSES = {
     "moe TP2 SP EP2": _config("mixtral", dtype="bf16", tensor_model_parallel_size=2, sequence_parallel=True,
                               expert_model_parallel_size=2, expert_tensor_parallel_size=1, **CAPACITY),
     "moe EP2 dropless": _config("mixtral", expert_model_parallel_size=2),
+    # one micro-batch a step, so that the step's router figures are the micro-batch's (memory.expert_rank_load)
+    "moe TP2 SP EP2 bf16 dropless full recompute": _config("mixtral", dtype="bf16", gbs=2, tensor_model_parallel_size=2,
+                                                           sequence_parallel=True, expert_model_parallel_size=2,
+                                                           expert_tensor_parallel_size=1, recompute="full"),
     "deepseek_v3 TP2 SP bf16": _config("deepseek_v3", dtype="bf16", tensor_model_parallel_size=2, sequence_parallel=True),
 }
 
@@ -90,9 +94,10 @@ def _lora(base, **fields) -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict[str, tuple[RunConfig, int, list[dict]]]:
-    """name -> (config, world, every rank's measured bytes), two launches (one per world size); the LoRA runs adapt a
-    tiny Llama converted from a Hugging Face folder."""
+def measured(tmp_path_factory) -> dict[str, tuple[RunConfig, int, list[dict], list[dict], str]]:
+    """name -> (config, world, every rank's measured bytes, the router figures, the layer path), three launches: one
+    and two processes on Megatron-Core's local spec, one process on the CPU path (the local spec with the CPU
+    converters, a CPU run's default); the LoRA runs adapt a tiny Llama converted from a Hugging Face folder."""
     from pai_cookbook import convert
     from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 
@@ -105,13 +110,20 @@ def measured(tmp_path_factory) -> dict[str, tuple[RunConfig, int, list[dict]]]:
                          "LoRA bf16 full recompute": _lora(base, dtype="bf16", recompute="full")}
     two = TWO_PROCESSES | {"LoRA TP2 SP": _lora(base, tensor_model_parallel_size=2, sequence_parallel=True),
                            "LoRA DP2 distributed optimizer": _lora(base, distributed=True)}
-    for world, configs in ((1, one), (2, two)):
+    cpu = {"CPU path: dense fp32": _config(),
+           "CPU path: dense bf16 full recompute, 2 layers a checkpoint": _config(dtype="bf16", recompute="full",
+                                                                                 recompute_layers=2),
+           "CPU path: deepseek_v3": _config("deepseek_v3"),
+           "CPU path: LoRA bf16": _lora(base, dtype="bf16")}
+    for world, configs, layers in ((1, one, "local"), (2, two, "local"), (1, cpu, "local+cpu")):
         result = launch.launch(Scenario(config=next(iter(configs.values())), scenario="layouts",
                                         layouts=list(configs.values())), nproc_per_node=world,
-                               run_dir=tmp_path_factory.mktemp(f"plan{world}"), env={"PAI_COOKBOOK_LAYERS": "local"},
+                               run_dir=tmp_path_factory.mktemp(f"plan{world}"),
+                               env={"PAI_COOKBOOK_LAYERS": "local" if layers == "local" else "auto"},
                                echo=False, show_progress=False)
-        assert result["layers"]["layers"] == "local"
-        out |= {name: (config, world, run["memory"]) for (name, config), run in zip(configs.items(), result["runs"])}
+        assert result["layers"]["layers"] == layers
+        out |= {name: (config, world, run["memory"], run["router"], layers)
+                for (name, config), run in zip(configs.items(), result["runs"])}
     return out
 
 
@@ -119,7 +131,8 @@ def errors(measured) -> list[tuple[float, str, int, str, int, int]]:
     """(relative error, configuration, rank, term, measured, predicted) for every rank and measured term, and for
     their sum."""
     return [(r["relative_error"], name, r["rank"], r["term"], r["measured"], r["predicted"])
-            for name, (config, world, ranks) in measured.items() for r in memory.compare(config, world, ranks)]
+            for name, (config, world, ranks, router, layers) in measured.items()
+            for r in memory.compare(config, world, ranks, router, layers)]
 
 
 def test_predicted_memory_is_within_5_percent_of_what_every_rank_holds(measured):
@@ -137,7 +150,7 @@ def test_predicted_memory_is_within_5_percent_of_what_every_rank_holds(measured)
 DROPS = {
     "norms": (activations, "norm_bytes", lambda *a: 0),
     "attention": (activations, "attention_bytes", lambda *a: 0),
-    "dense MLP": (activations, "mlp_bytes", lambda *a: 0),
+    "dense MLP": (activations, "mlp_bytes", lambda *a, **k: 0),
     "MoE layer": (activations, "moe_bytes", lambda *a: 0),
     "loss over the vocabulary": (activations, "head_bytes", lambda *a: 0),
     "micro-batches in flight": (activations, "schedule",
@@ -148,6 +161,9 @@ DROPS = {
     "fp32 main weights": (states, "MAIN_PARAM_BYTES", 0),
     "Adam moments": (states, "ADAM_BYTES", 0),
     "distributed optimizer's sharding": (states, "optimizer_share", lambda layout, group: 1.0),
+    "the router's measured imbalance": (memory, "expert_rank_load", lambda *a: 1.0),
+    "the CPU path's converters": (activations, "dims", lambda layout, workload: dataclasses.replace(
+        DIMS(layout, workload), cpu=False)),
 }
 DIMS = activations.dims
 

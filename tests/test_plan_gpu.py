@@ -117,6 +117,9 @@ def test_what_a_dsw_gpu_cannot_do_is_refused_by_name():
                     Workload(seq_length=2048, global_batch_size=8, dtype="fp32"))
     assert plan_cli.main(["--model", "Llama-3-8B", "--gpu", "T4-16GB", "--seq-length", "2048", "--global-batch",
                           "8"]) == 2
+    with pytest.raises(ConfigError, match="is what a CPU run builds"):
+        search.plan(model, Cluster(gpu=hardware.gpu("H100-80GB"), gpus_per_node=2),
+                    Workload(seq_length=2048, global_batch_size=8, layers="local+cpu"))
 
 
 def test_fine_tuning_an_8b_model_on_the_gpus_dsw_rents():

@@ -34,6 +34,11 @@ kv = groups x head_dim, f = ffn:
 - first stage: the token ids (s b x 8, and the vocabulary mask s b at TP > 1); last stage: the final norm, the output
   layer's input, the loss's exp(logits) in fp32 s b V/t x 4 and its targets (s b x 13) and the loss mask (s b x 4).
 
+**The CPU path** (`local+cpu`, a CPU run's default): the local spec with `pai_cookbook.cpu`'s converters, two of
+which change what training saves: a dense SwiGLU MLP as one autograd function (`cpu.glu`: fc1's output, silu's, and
+the product fc2 keeps, 4 s b f/t e; a shared expert and the experts are Megatron-Core's), and queries and keys rotated
+with one cos/sin pair where the rotation covers whole heads (`cpu.attention`: 2 s head_dim e).
+
 LoRA (`Workload.lora`, the base frozen: `lora_bytes`): a norm with a frozen weight keeps its fp32 input and 1/rms but
 not the normalised input (only its weight's gradient needed it); the first layer's first norm, whose input (the
 frozen embedding's output) needs no gradient, keeps nothing (under full recompute the embedding's output is made to
@@ -55,7 +60,7 @@ from dataclasses import dataclass
 
 from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import ModelConfig
-from pai_cookbook.core.machine.build import TE_LAYERS
+from pai_cookbook.core.machine.build import CPU_LAYERS, TE_LAYERS
 from pai_cookbook.plan.layouts import Layout, Workload
 from pai_cookbook.plan.states import DTYPE_BYTES, chunk_layers, is_first, is_last, is_moe_layer
 
@@ -74,13 +79,16 @@ class Dims:
     e: int
     te: bool = False
     """Transformer Engine's spec (else the local spec)."""
+    cpu: bool = False
+    """The CPU path (`local+cpu`): the local spec with `pai_cookbook.cpu`'s converters (module doc)."""
     moe_imbalance: float = 1.0
 
 
 def dims(layout: Layout, workload: Workload) -> Dims:
     s = workload.seq_length // layout.cp
     return Dims(s=s, s_norm=s // layout.tp if layout.sequence_parallel else s, b=layout.micro_batch_size,
-                e=DTYPE_BYTES[workload.dtype], te=workload.path == TE_LAYERS, moe_imbalance=workload.moe_imbalance)
+                e=DTYPE_BYTES[workload.dtype], te=workload.path == TE_LAYERS, cpu=workload.path == CPU_LAYERS,
+                moe_imbalance=workload.moe_imbalance)
 
 
 def norm_bytes(model: ModelConfig, x: Dims, width: int | None = None) -> int:
@@ -115,14 +123,18 @@ def attention_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     if layout.recompute != "selective":
         saved += x.b * (m.num_attention_heads // t) * x.s * FP32  # log-sum-exp
     if m.position_embedding_type == "rope" and not x.te:
-        saved += 4 * x.s * d * x.e  # cos and sin for q and for k (TE's fused rotary kernel keeps neither)
+        # cos and sin for q and for k (TE's fused rotary kernel keeps neither); the CPU path rotates both with one pair
+        whole_heads = m.rotary_percent == 1.0
+        saved += (2 if x.cpu and whole_heads else 4) * x.s * d * x.e
     return saved
 
 
-def mlp_bytes(model: ModelConfig, layout: Layout, x: Dims, ffn: int) -> int:
-    """A dense MLP. SwiGLU: the local spec keeps fc1's output, silu's, the up half (+0) and the product, 5f per token;
-    Transformer Engine's fused activation keeps its input (fc1's output) and fc2 its input, 3f. GELU: 2f."""
-    per_token = (3 if x.te else 5) * ffn if model.activation == "swiglu" else 2 * ffn
+def mlp_bytes(model: ModelConfig, layout: Layout, x: Dims, ffn: int, dense: bool = True) -> int:
+    """A dense MLP (`dense`), or an MoE layer's shared expert. SwiGLU: the local spec keeps fc1's output, silu's, the
+    up half (+0) and the product, 5f per token; Transformer Engine's fused activation keeps its input (fc1's output)
+    and fc2 its input, 3f; the CPU path's dense MLP (`cpu.glu`) fc1's output, silu's and the product, 4f. GELU: 2f."""
+    swiglu = 3 if x.te else 4 if x.cpu and dense else 5
+    per_token = swiglu * ffn if model.activation == "swiglu" else 2 * ffn
     return x.s * x.b * per_token // layout.tp * x.e
 
 
@@ -161,7 +173,7 @@ def moe_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     experts_saved = received * m.hidden_size * x.e + received * per_expert_token * fm // (layout.etp or layout.tp) * x.e
     shared = 0
     if m.moe_shared_expert_intermediate_size:
-        shared = mlp_bytes(m, layout, x, m.moe_shared_expert_intermediate_size)
+        shared = mlp_bytes(m, layout, x, m.moe_shared_expert_intermediate_size, dense=False)
     return router + dispatch + probs + experts_saved + shared
 
 

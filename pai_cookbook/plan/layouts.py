@@ -31,7 +31,7 @@ from pai_cookbook.core.configs.config import (
 from pai_cookbook.core.configs.layout import divisors
 from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import require
-from pai_cookbook.core.machine.build import CPU_LAYERS, LOCAL_LAYERS, TE_LAYERS
+from pai_cookbook.core.machine.build import LAYER_PATHS, LOCAL_LAYERS, TE_LAYERS, without_te
 
 Recompute = Literal["selective", "full"] | None
 RECOMPUTES: tuple[Recompute, ...] = (None, "selective", "full")
@@ -86,8 +86,9 @@ class Workload:
     lora: LoRAConfig | None = None
     """LoRA adapters on the frozen model (`RunConfig.lora`): only they have gradients and optimizer state."""
     layers: str = TE_LAYERS
-    """The layer path (`core.machine.build`): Transformer Engine's spec (a GPU image with TE, the default) or the local
-    spec (a GPU without TE, and what the cookbook's memory check measures on the CPU)."""
+    """The layer path (`core.machine.build`): Transformer Engine's spec (a GPU image with TE, the default), the local
+    spec (a GPU without TE, and what the cookbook's memory check measures on the CPU with `PAI_COOKBOOK_LAYERS=local`),
+    or the CPU path (`local+cpu`, the local spec with the CPU converters: what a CPU run builds by default)."""
     grad_reduce_in_fp32: bool = True
     """DDP's gradient buffer in fp32 (the cookbook's worker, NeMo's and Megatron-LM's bf16 recipes); False: in the
     weights' dtype."""
@@ -104,16 +105,13 @@ class Workload:
         require(self.dtype in ("bf16", "fp32"), f"dtype {self.dtype!r}: the plan models 'bf16' and 'fp32'.")
         require(isinstance(self.moe_imbalance, (int, float)) and self.moe_imbalance >= 1.0,
                 f"moe_imbalance {self.moe_imbalance!r} must be >= 1.0 (the most loaded rank's tokens over the mean).")
-        require(self.layers in (TE_LAYERS, LOCAL_LAYERS),
-                f"layers {self.layers!r}: the plan models {TE_LAYERS!r} and {LOCAL_LAYERS!r}"
-                + (" (the CPU path's converters save less than upstream's local spec; plan it as 'local')"
-                   if self.layers == CPU_LAYERS else "") + ".")
+        require(self.layers in LAYER_PATHS, f"layers {self.layers!r}: the plan models {list(LAYER_PATHS)}.")
 
     @property
     def path(self) -> str:
-        """The layers a run of this workload builds: the local spec with LoRA (its adapters wrap the local linears),
-        else `layers`."""
-        return LOCAL_LAYERS if self.lora is not None else self.layers
+        """The layers a run of this workload builds: with LoRA not Transformer Engine's (its adapters wrap the local
+        linears: `LoRAConfig.narrow_layers`), else `layers`."""
+        return without_te(self.layers) if self.lora is not None else self.layers
 
     def micro_batches(self, layout: Layout, world: int) -> int:
         """Micro-batches per step on one data-parallel rank: global / (micro x DP)."""
@@ -130,8 +128,9 @@ def run_config(model: ModelConfig, layout: Layout, workload: Workload) -> RunCon
                                      global_batch_size=workload.global_batch_size))
 
 
-def from_run_config(config: RunConfig) -> tuple[Layout, Workload]:
-    """The layout and workload of a cookbook `RunConfig` (what a training run measured with `measure_memory` ran)."""
+def from_run_config(config: RunConfig, layers: str = LOCAL_LAYERS) -> tuple[Layout, Workload]:
+    """The layout and workload of a cookbook `RunConfig` (what a training run measured with `measure_memory` ran) on
+    the layer path `layers` (the run's `result["layers"]["layers"]`)."""
     p, m = config.parallel, config.memory
     require(m.recompute_granularity != "selective" or m.recompute_modules == ["core_attn"],
             f"the plan models selective recompute of core_attn only, got {m.recompute_modules}.")
@@ -145,7 +144,7 @@ def from_run_config(config: RunConfig) -> tuple[Layout, Workload]:
                     distributed_optimizer=config.optimizer.use_distributed_optimizer)
     require(config.precision.dtype in ("bf16", "fp32"), f"the plan models bf16 and fp32, got {config.precision.dtype}.")
     return layout, Workload(seq_length=config.data.seq_length, global_batch_size=config.data.global_batch_size,
-                            dtype=config.precision.dtype, lora=config.lora, layers=LOCAL_LAYERS)
+                            dtype=config.precision.dtype, lora=config.lora, layers=layers)
 
 
 def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) -> None:

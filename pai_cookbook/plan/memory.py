@@ -14,10 +14,12 @@ what `core.measures.memory_probe` measures and tests/test_plan.py holds within 5
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from pai_cookbook.core.configs.config import RunConfig
 from pai_cookbook.core.configs.model_config import ModelConfig
+from pai_cookbook.core.machine.build import LOCAL_LAYERS
 from pai_cookbook.plan import activations, states
 from pai_cookbook.plan.layouts import Layout, Workload, from_run_config
 
@@ -81,22 +83,50 @@ def peak_memory(model: ModelConfig, layout: Layout, workload: Workload, world: i
     return max(all_stages(model, layout, workload, world, overhead_gib), key=lambda m: m.total)
 
 
-def compare(config: RunConfig, world: int, measured: list[dict[str, int]]) -> list[dict]:
+def expert_rank_load(router: list[dict[str, Any]], model: ModelConfig, layout: Layout, world: int, rank: int) -> float:
+    """The routed tokens this rank's experts took over the mean expert-parallel rank's, at the run's heaviest step,
+    from its router figures (`train.run(...)["router"]`, each step's `expert_load`): per step and MoE layer of the
+    rank's pipeline stage, the shares of its block of E / EP experts (Megatron-Core's placement; expert ranks are
+    ordered expert-TP, EP, DP, PP) times EP; over the layers the largest under full recompute (the recomputed layer is
+    the peak) and the mean otherwise (every layer's tokens are held at once); over the steps the largest."""
+    moe_layers = [n for n in range(model.num_layers) if states.is_moe_layer(model, n)]
+    stage = rank // (world // layout.pp)
+    mine = {n for c in range(layout.vpp or 1) for n in states.chunk_layers(model, layout, stage, c)}
+    rows = [i for i, n in enumerate(moe_layers) if n in mine]
+    per_rank = model.num_experts // layout.ep
+    first = (rank % (world // layout.pp)) // (layout.etp or layout.tp) % layout.ep * per_rank
+    combine = max if layout.recompute == "full" else (lambda xs: sum(xs) / len(xs))
+    return max(combine([sum(step["expert_load"][i][first:first + per_rank]) * layout.ep for i in rows])
+               for step in router)
+
+
+def compare(config: RunConfig, world: int, measured: list[dict[str, int]],
+            router: list[dict[str, Any]] | None = None, layers: str = LOCAL_LAYERS) -> list[dict]:
     """What each rank of a run held beside what the plan predicts for its pipeline stage.
 
     Args:
-        config: the run (trained with `measure_memory=True` on Megatron-Core's local spec).
+        config: the run (trained with `measure_memory=True`).
         world: its processes.
         measured: every rank's bytes per term of `MEASURED`, in rank order (the run's result["memory"]).
+        router: the run's router figures (result["router"]), for dropless MoE at EP > 1: each rank is then predicted
+            at its experts' measured load (`expert_rank_load`; `Workload.moe_imbalance`, at least 1.0: a rank below
+            the mean is predicted as balanced, an upper bound) instead of balanced routing.
+        layers: the layer path it built (its result["layers"]["layers"]): the local spec, or the CPU path.
     Returns:
         One row per rank and term of `MEASURED`, then their "sum": {"rank", "stage", "term", "measured", "predicted",
         "relative_error"} (|predicted - measured| / measured).
     """
-    layout, workload = from_run_config(config)
+    layout, workload = from_run_config(config, layers)
+    m = config.model
+    dropless = m.moe_expert_capacity_factor is None or not m.moe_pad_expert_input_to_capacity
     rows = []
     for rank, held in enumerate(measured):
         stage = rank // (world // layout.pp)  # Megatron-Core's rank order puts PP outermost
-        predicted = stage_memory(config.model, layout, workload, world, stage).terms()
+        loaded = workload
+        if router and m.is_moe and layout.ep > 1 and dropless:
+            load = expert_rank_load(router, m, layout, world, rank)
+            loaded = replace(workload, moe_imbalance=max(1.0, load))
+        predicted = stage_memory(m, layout, loaded, world, stage).terms()
         for term in MEASURED + ("sum",):
             pair = [sum(side[k] for k in MEASURED) if term == "sum" else side[term] for side in (held, predicted)]
             rows.append({"rank": rank, "stage": stage, "term": term, "measured": pair[0], "predicted": pair[1],

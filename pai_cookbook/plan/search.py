@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pai_cookbook.core.configs.model_config import ModelConfig, require
-from pai_cookbook.core.machine.build import LOCAL_LAYERS, TE_LAYERS
+from pai_cookbook.core.machine.build import CPU_LAYERS, LOCAL_LAYERS, TE_LAYERS
+from pai_cookbook.plan import states
 from pai_cookbook.plan.hardware import GIB, Cluster
 from pai_cookbook.plan.layouts import Layout, Workload, valid_layouts
 from pai_cookbook.plan.memory import FRAMEWORK_OVERHEAD_GIB, StageMemory, peak_memory
@@ -45,11 +46,14 @@ def plan(model: ModelConfig, cluster: Cluster, workload: Workload, overhead_gib:
     gpu = cluster.gpu
     require(workload.dtype != "bf16" or gpu.bf16,
             f"the {gpu.name} has no bf16 tensor cores ({gpu.limits}); plan dtype='fp32'.")
+    require(workload.path != CPU_LAYERS, f"layers {CPU_LAYERS!r} is what a CPU run builds (the memory check's "
+                                         f"`memory.compare`); a GPU runs {TE_LAYERS!r} or {LOCAL_LAYERS!r}.")
     require(workload.path != TE_LAYERS or gpu.transformer_engine,
             f"the {gpu.name} cannot run Transformer Engine's layers ({gpu.limits}); plan layers='{LOCAL_LAYERS}'.")
-    options = [evaluate(model, layout, workload, cluster, overhead_gib)
-               for layout in valid_layouts(model, workload, cluster.world_size, cluster.gpus_per_node,
-                                           micro_batch_sizes)]
+    with states.memoized():
+        options = [evaluate(model, layout, workload, cluster, overhead_gib)
+                   for layout in valid_layouts(model, workload, cluster.world_size, cluster.gpus_per_node,
+                                               micro_batch_sizes)]
     require(options, f"no layout of {cluster.world_size} GPUs takes a global batch of {workload.global_batch_size} "
                      f"sequences of {workload.seq_length}: every layout needs the global batch divisible by micro-batch "
                      f"x data-parallel size (micro-batches {list(micro_batch_sizes)}), and the world divisible by "

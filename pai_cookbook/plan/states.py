@@ -25,7 +25,9 @@ optimizer): bf16 weights 2 + fp32 grads 4 + fp32 main 4 + Adam 8. The same sum, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import ModelConfig
@@ -197,8 +199,34 @@ class States:
     """Of them, those with a gradient: all of them, or with LoRA the adapters'."""
 
 
+_memo: dict[tuple, States] | None = None
+
+
+@contextmanager
+def memoized() -> Iterator[None]:
+    """Within this block, `states` is computed once per layout that holds the same states (micro-batch, recompute and
+    sequence parallelism change none of them): a search evaluates each such layout for every combination of those,
+    and listing a large MoE's expert tensors is most of its time. The model is assumed unchanged inside the block."""
+    global _memo
+    outer, _memo = _memo, {} if _memo is None else _memo
+    try:
+        yield
+    finally:
+        _memo = outer
+
+
 def states(model: ModelConfig, layout: Layout, workload: Workload, world: int, pp_rank: int) -> States:
     """Weights, gradient buffers and optimizer state of a rank of pipeline stage `pp_rank` (module doc)."""
+    if _memo is None:
+        return _states(model, layout, workload, world, pp_rank)
+    same = replace(layout, micro_batch_size=1, recompute=None, recompute_num_layers=1, sequence_parallel=False)
+    key = (id(model), same, workload.dtype, repr(workload.lora), workload.grad_reduce_in_fp32, world, pp_rank)
+    if key not in _memo:
+        _memo[key] = _states(model, same, workload, world, pp_rank)
+    return _memo[key]
+
+
+def _states(model: ModelConfig, layout: Layout, workload: Workload, world: int, pp_rank: int) -> States:
     e = DTYPE_BYTES[workload.dtype]
     dist = layout.distributed_optimizer
     per_param = ADAM_BYTES + (MAIN_PARAM_BYTES if workload.dtype != "fp32" else 0)
