@@ -15,14 +15,17 @@ for _message in ("Transformer Engine and Apex are not installed", "Apex is not i
 
 
 class _Unsaid(logging.Filter):
-    """Two start-up log lines that say nothing in a notebook cell: torch's "No CUDA runtime is found, using
-    CUDA_HOME=..." (its C++-extension module, which Megatron-Core imports, on every machine without CUDA) and Megatron-Core
-    0.19's "GPTModel IS DEPRECATED" (the cookbook builds GPTModel on purpose: it is the model every supported release
-    has)."""
+    """Log lines that say nothing in a notebook cell: torch's "No CUDA runtime is found, using CUDA_HOME=..." (its
+    C++-extension module, which Megatron-Core imports, on every machine without CUDA); Megatron-Core 0.19's "GPTModel IS
+    DEPRECATED" (the cookbook builds GPTModel on purpose: it is the model every supported release has) and its DDP's
+    request that callers pre-compute the distributed optimizer's parameter layout, which it then computes itself as
+    0.16 did (the cookbook builds DDP as every supported release takes it)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(("No CUDA runtime is found", "GPTModel IS DEPRECATED"))
+        return not record.getMessage().startswith(("No CUDA runtime is found", "GPTModel IS DEPRECATED",
+                                                   "DistributedDataParallel: full_param_layout not provided"))
 
 
-for _logger in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"):
+for _logger in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model",
+                "megatron.core.distributed.distributed_data_parallel"):
     logging.getLogger(_logger).addFilter(_Unsaid())

@@ -243,6 +243,13 @@ def check_plan(m: dict) -> None:
     assert m["layers"] == "transformer-engine" and set(m["published_fit"].values()) == {"yes"}
     dsw = m["dsw_fits"]
     assert dsw["H100-80GB x1 full fine-tuning"] == "no" and dsw["H100-80GB x1 LoRA rank 16"] == "yes"
+    # The MoE rows: balanced, the busiest rank waits for nothing; a busier one holds more, moves more and takes longer
+    # (the prose's "waits for its busiest expert rank").
+    rows = m["moe_by_imbalance"]
+    assert [r["busiest rank / mean"] for r in rows] == [1.0, 1.25, 1.5] and rows[0]["waiting ms"] == 0
+    for earlier, later in zip(rows, rows[1:]):
+        for column in ("activations GiB", "all-to-all ms", "waiting ms", "step ms"):
+            assert later[column] > earlier[column], (column, rows)
 
 
 # What notebooks 01, 03, 06 and 07 claim on their default model, SmolLM2-135M-Instruct. CI runs them tiny
@@ -409,7 +416,7 @@ CHECKS = {
 PROGRESS_LINE = re.compile(r"\d+%\|.*\|\s*\d+/\d+ \[")
 MAX_PROGRESS_LINES = 5
 QUIET = ("Transformer Engine and Apex are not installed", "IProgress not found", "No CUDA runtime is found",
-         "GPTModel IS DEPRECATED", "MimoModelConfig is experimental")
+         "GPTModel IS DEPRECATED", "MimoModelConfig is experimental", "full_param_layout not provided")
 # A bar saved as the 0% it was first drawn at (a widget's text without its state). The cookbook's bars end as their
 # last line (core.launching.progress); transformers' own, from a notebook cell's direct from_pretrained, are left as they are.
 STALE_BAR = re.compile(r"^(?!Loading weights)[^\n]*:\s+0%\|.*\|\s*0/\d+ \[")
