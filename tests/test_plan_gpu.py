@@ -164,6 +164,19 @@ def test_router_imbalance_slows_and_loads_the_busiest_expert_rank():
         Workload(seq_length=4096, global_batch_size=256, moe_imbalance=0.5)
 
 
+
+def test_the_cli_plans_an_moe_model_at_the_router_load_it_is_given(capsys):
+    argv = ["--model", "Mixtral-8x7B", "--gpus-per-node", "2", "--seq-length", "4096", "--global-batch", "8",
+            "--top", "1"]
+    assert plan_cli.main(argv) == 0
+    balanced = capsys.readouterr().out
+    assert plan_cli.main(argv + ["--moe-imbalance", "1.5"]) == 0
+    skewed = capsys.readouterr().out
+    assert "MoE routing balanced" in balanced and "MoE routing 1.5x the mean on the busiest rank" in skewed
+    assert plan_cli.main(argv + ["--moe-imbalance", "0.5"]) == 2
+    assert "moe_imbalance 0.5 must be >= 1.0" in capsys.readouterr().err
+
+
 def test_expert_tensor_parallelism_is_searched_apart_from_tp():
     """An MoE model at TP > 1 is planned with its experts at TP and unsplit (expert-TP 1), as Megatron-Core's MoE
     parallel folding allows."""

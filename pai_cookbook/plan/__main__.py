@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default=TE_LAYERS, choices=(TE_LAYERS, LOCAL_LAYERS),
                         help="the layer path the run builds: Transformer Engine's spec (GPU images with TE) or the local "
                              "spec (no TE; what the cookbook's CPU memory check measures)")
+    parser.add_argument("--moe-imbalance", type=float, default=1.0,
+                        help="MoE: the busiest expert-parallel rank's routed tokens over the mean (1.0: balanced); "
+                             "pai_cookbook.moe.ep_imbalance measures it from a run's router figures")
     parser.add_argument("--overhead-gib", type=float, default=FRAMEWORK_OVERHEAD_GIB)
     parser.add_argument("--top", type=int, default=15, help="rows shown")
     args = parser.parse_args(argv)
@@ -41,15 +44,17 @@ def main(argv: list[str] | None = None) -> int:
         model = model_shape(args.model)
         cluster = Cluster(gpu=gpu(args.gpu), gpus_per_node=args.gpus_per_node, nodes=args.nodes)
         workload = Workload(seq_length=args.seq_length, global_batch_size=args.global_batch, dtype=args.dtype,
-                            layers=args.layers)
+                            layers=args.layers, moe_imbalance=args.moe_imbalance)
         options = plan(model, cluster, workload, args.overhead_gib)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     fitting = sum(o.fits for o in options)
+    routing = "balanced" if args.moe_imbalance == 1 else f"{args.moe_imbalance:g}x the mean on the busiest rank"
     print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, {args.layers} layers: "
           f"{len(options)} valid layouts, {fitting} fit in {cluster.gpu.memory_gib} GiB (MFU {cluster.gpu.mfu_for(model):.3f}: "
-          f"{cluster.gpu.mfu_source}); speeds within {search.TIED_WITHIN:.0%} of each other are a tie")
+          f"{cluster.gpu.mfu_source}); speeds within {search.TIED_WITHIN:.0%} of each other are a tie"
+          + (f"; MoE routing {routing} (--moe-imbalance)" if model.is_moe else ""))
     print(table(options, args.tokens, args.top))
     return 0
 
