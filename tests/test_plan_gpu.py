@@ -55,9 +55,12 @@ def test_the_transformer_engine_path_saves_what_upstreams_code_saves():
     assert activations.head_bytes(m, layout, x) == activations.norm_bytes(m, x) + loss
     last = memory.stage_memory(m, layout, workload, 2, 0)
     assert last.transient == tokens * vocab * 2  # Llama 3's vocabulary needs no padding at TP2: no masked copy
-    # the local spec on the same layer: fp32 norm copies, SwiGLU's five tensors, rotary cos and sin
+    # the local spec on the same layer, on a GPU: torch's fused RMSNorm keeps what TE's does (the input, 1/rms; the
+    # next matmul the output), SwiGLU's five tensors, rotary cos and sin; on a CPU the norm keeps fp32 copies
     local = activations.dims(layout, Workload(seq_length=4096, global_batch_size=16, layers=LOCAL))
-    assert activations.norm_bytes(m, local) == slice_tokens * (h * (4 + 4 + 2) + 4)
+    assert activations.norm_bytes(m, local) == activations.norm_bytes(m, x)
+    on_cpu = activations.dims(layout, Workload(seq_length=4096, global_batch_size=16, layers=LOCAL, device="cpu"))
+    assert activations.norm_bytes(m, on_cpu) == slice_tokens * (h * (4 + 4 + 2) + 4)
     assert activations.mlp_bytes(m, layout, local, f) == tokens * 5 * f // 2 * 2
     assert activations.attention_bytes(m, layout, local) - activations.attention_bytes(m, layout, x) == 4 * 4096 * 128 * 2
 

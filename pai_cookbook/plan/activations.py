@@ -11,11 +11,12 @@ fc1's output and the probability-weighted activation's, 3 N f_moe/etp e; the fin
 1/rms). With MHA, GELU, no rotary embedding and no dropout this is Korthikanti et al. 2022's per-layer count without
 the attention scores and the dropout masks, 32 s b h bytes (tests/test_plan.py).
 
-**The local spec** (a GPU without TE, LoRA, and the cookbook's CPU check): what Megatron-Core 0.16.1's local spec saves
-with PyTorch's kernels (the cookbook's
-`PAI_COOKBOOK_LAYERS=local` path: `core.modeling.attention.SDPAttention` on `scaled_dot_product_attention`'s flash kernel,
-`torch.nn.RMSNorm`), read off the operators and checked against `core.measures.memory_probe` (docs/planning.md lists every
-tensor). Per micro-batch of b sequences of s tokens (s = seq / CP), e bytes per activation (2 in bf16, 4 in fp32),
+**The local spec** (a GPU without TE, LoRA, and the cookbook's CPU check): what Megatron-Core's local spec saves
+with PyTorch's kernels (the cookbook's `PAI_COOKBOOK_LAYERS=local` path: `core.modeling.attention.SDPAttention` on
+`scaled_dot_product_attention`'s flash kernel, `torch.nn.RMSNorm`), read off the operators and checked against
+`core.measures.memory_probe` on a CPU (docs/planning.md lists every tensor). On a GPU torch runs RMSNorm as one kernel,
+which keeps what Transformer Engine's norm keeps; the norms below are its CPU decomposition (`Workload.device`).
+Per micro-batch of b sequences of s tokens (s = seq / CP), e bytes per activation (2 in bf16, 4 in fp32),
 t = TP, s_n = s / t where sequence parallelism splits the norms' regions (else s), h hidden, q = heads x head_dim,
 kv = groups x head_dim, f = ffn:
 
@@ -81,6 +82,9 @@ class Dims:
     """Transformer Engine's spec (else the local spec)."""
     cpu: bool = False
     """The CPU path (`local+cpu`): the local spec with `pai_cookbook.cpu`'s converters (module doc)."""
+    fused_norm: bool = True
+    """The norms keep their input in e, not fp32 copies: Transformer Engine's, and torch's RMSNorm on CUDA (module
+    doc); False: the local spec's RMSNorm on a CPU."""
     moe_imbalance: float = 1.0
 
 
@@ -88,15 +92,29 @@ def dims(layout: Layout, workload: Workload) -> Dims:
     s = workload.seq_length // layout.cp
     return Dims(s=s, s_norm=s // layout.tp if layout.sequence_parallel else s, b=layout.micro_batch_size,
                 e=DTYPE_BYTES[workload.dtype], te=workload.path == TE_LAYERS, cpu=workload.path == CPU_LAYERS,
-                moe_imbalance=workload.moe_imbalance)
+                fused_norm=workload.device == "cuda", moe_imbalance=workload.moe_imbalance)
+
+
+def decomposed_norm(model: ModelConfig, x: Dims) -> bool:
+    """torch's RMSNorm on a CPU (`rms_norm_composite`), where the norm keeps fp32 copies; every other norm is one
+    kernel (Transformer Engine's; torch's `_fused_rms_norm` on CUDA; `native_layer_norm`)."""
+    return not x.fused_norm and model.normalization != "LayerNorm"
+
+
+def norm_input_bytes(model: ModelConfig, x: Dims, width: int | None = None) -> int:
+    """What one norm over `width` (the hidden size by default) keeps for its input's gradient: the input (in fp32 when
+    decomposed, else in e) and the per-token statistics (1/rms, or LayerNorm's mean and 1/std)."""
+    tokens, layer_norm = x.s_norm * x.b, model.normalization == "LayerNorm"
+    return tokens * (width or model.hidden_size) * (FP32 if decomposed_norm(model, x) else x.e) + \
+        tokens * FP32 * (1 + layer_norm)
 
 
 def norm_bytes(model: ModelConfig, x: Dims, width: int | None = None) -> int:
-    """One norm over `width` (the hidden size by default). Local spec: fp32 input and normalised input, 1/rms, its
-    output in e. Transformer Engine: input and output in e, 1/rms."""
-    tokens = x.s_norm * x.b
-    per_element = 2 * x.e if x.te else 2 * FP32 + x.e
-    return tokens * (width or model.hidden_size) * per_element + tokens * FP32
+    """One norm: `norm_input_bytes`, the normalised input in fp32 when decomposed (for its weight's gradient), and its
+    output in e (what the next matmul keeps)."""
+    width = width or model.hidden_size
+    normalised = x.s_norm * x.b * width * FP32 if decomposed_norm(model, x) else 0
+    return norm_input_bytes(model, x, width) + normalised + x.s_norm * x.b * width * x.e
 
 
 def latent_attention_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
@@ -189,14 +207,14 @@ def lora_bytes(model: ModelConfig, layout: Layout, x: Dims, lora: LoRAConfig, la
     """What one layer saves with LoRA beyond (or, negative, short of) `layer_bytes` (module doc); `first`: the first
     layer of the model, whose input needs no gradient."""
     tokens, norm_tokens, h = x.s * x.b, x.s_norm * x.b, model.hidden_size
-    normalised = norm_tokens * h * FP32
+    normalised = norm_tokens * h * FP32 if decomposed_norm(model, x) else 0  # only the frozen weight's gradient used it
     targets = set(lora.targets) - ({"linear_qkv"} if model.multi_latent_attention else set())
     dense = not is_moe_layer(model, layer)
     if not dense:
         targets -= {"linear_fc1", "linear_fc2"}
     delta = -2 * normalised
     if first:  # the first norm keeps nothing but its output (what QKV's adapter keeps)
-        delta -= normalised + norm_tokens * FP32
+        delta -= norm_input_bytes(model, x)
     parts = {"linear_qkv": 3, "linear_fc1": 2 if model.activation == "swiglu" else 1}
     for target in targets:
         if target in parts:
@@ -219,11 +237,11 @@ def embedding_bytes(layout: Layout, x: Dims) -> int:
 
 def head_bytes(model: ModelConfig, layout: Layout, x: Dims, frozen: bool = False) -> int:
     """The last stage's final norm, output-layer input, and the loss over the vocabulary (fp32 exp(logits)); `frozen`
-    (LoRA): the norm's fp32 input and 1/rms alone (module doc)."""
+    (LoRA): what the norm keeps for its input alone (module doc)."""
     tokens = x.s * x.b
     vocab = model.padded_vocab_size(layout.tp) // layout.tp
     loss = tokens * vocab * FP32 + tokens * (INT64 + BOOL) + tokens * FP32 + FP32
-    norm = x.s_norm * x.b * (model.hidden_size + 1) * FP32 if frozen else norm_bytes(model, x)
+    norm = norm_input_bytes(model, x) if frozen else norm_bytes(model, x)
     return norm + loss
 
 

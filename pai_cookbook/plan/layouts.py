@@ -31,7 +31,7 @@ from pai_cookbook.core.configs.config import (
 from pai_cookbook.core.configs.layout import divisors
 from pai_cookbook.core.configs.lora import LoRAConfig
 from pai_cookbook.core.configs.model_config import require
-from pai_cookbook.core.machine.build import LAYER_PATHS, LOCAL_LAYERS, TE_LAYERS, without_te
+from pai_cookbook.core.machine.build import CPU_LAYERS, LAYER_PATHS, LOCAL_LAYERS, TE_LAYERS, without_te
 
 Recompute = Literal["selective", "full"] | None
 RECOMPUTES: tuple[Recompute, ...] = (None, "selective", "full")
@@ -96,6 +96,9 @@ class Workload:
     """The most loaded expert-parallel rank's routed tokens over the mean (1.0: balanced routing); `moe.ep_imbalance`
     measures it from a run's router statistics (notebook 05's). It scales that rank's expert activations, expert
     compute and all-to-all traffic."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """Where the layers run: a GPU (every plan), or a CPU (the cookbook's memory check, `memory.compare`). It matters to
+    the local spec's RMSNorm, which torch runs as one fused kernel on CUDA and decomposed, with fp32 copies, on a CPU."""
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "global_batch_size"):
@@ -106,6 +109,12 @@ class Workload:
         require(isinstance(self.moe_imbalance, (int, float)) and self.moe_imbalance >= 1.0,
                 f"moe_imbalance {self.moe_imbalance!r} must be >= 1.0 (the most loaded rank's tokens over the mean).")
         require(self.layers in LAYER_PATHS, f"layers {self.layers!r}: the plan models {list(LAYER_PATHS)}.")
+        require(self.device in ("cuda", "cpu"), f"device {self.device!r}: 'cuda' or 'cpu'.")
+        require(self.device == "cpu" or self.layers != CPU_LAYERS,
+                f"layers {CPU_LAYERS!r} is what a CPU run builds; on a GPU the layers are {TE_LAYERS!r} or "
+                f"{LOCAL_LAYERS!r}.")
+        require(self.device == "cuda" or self.layers != TE_LAYERS,
+                f"layers {TE_LAYERS!r} run on CUDA only; a CPU builds {LOCAL_LAYERS!r} or {CPU_LAYERS!r}.")
 
     @property
     def path(self) -> str:
@@ -128,9 +137,9 @@ def run_config(model: ModelConfig, layout: Layout, workload: Workload) -> RunCon
                                      global_batch_size=workload.global_batch_size))
 
 
-def from_run_config(config: RunConfig, layers: str = LOCAL_LAYERS) -> tuple[Layout, Workload]:
+def from_run_config(config: RunConfig, layers: str = LOCAL_LAYERS, device: str = "cpu") -> tuple[Layout, Workload]:
     """The layout and workload of a cookbook `RunConfig` (what a training run measured with `measure_memory` ran) on
-    the layer path `layers` (the run's `result["layers"]["layers"]`)."""
+    the layer path `layers` (the run's `result["layers"]["layers"]`) and `device` ("cuda" or "cpu")."""
     p, m = config.parallel, config.memory
     require(m.recompute_granularity != "selective" or m.recompute_modules == ["core_attn"],
             f"the plan models selective recompute of core_attn only, got {m.recompute_modules}.")
@@ -144,7 +153,7 @@ def from_run_config(config: RunConfig, layers: str = LOCAL_LAYERS) -> tuple[Layo
                     distributed_optimizer=config.optimizer.use_distributed_optimizer)
     require(config.precision.dtype in ("bf16", "fp32"), f"the plan models bf16 and fp32, got {config.precision.dtype}.")
     return layout, Workload(seq_length=config.data.seq_length, global_batch_size=config.data.global_batch_size,
-                            dtype=config.precision.dtype, lora=config.lora, layers=layers)
+                            dtype=config.precision.dtype, lora=config.lora, layers=layers, device=device)
 
 
 def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) -> None:

@@ -101,7 +101,7 @@ def expert_rank_load(router: list[dict[str, Any]], model: ModelConfig, layout: L
 
 
 def compare(config: RunConfig, world: int, measured: list[dict[str, int]],
-            router: list[dict[str, Any]] | None = None, layers: str = LOCAL_LAYERS) -> list[dict]:
+            router: list[dict[str, Any]] | None = None, layers: str = LOCAL_LAYERS, device: str = "cpu") -> list[dict]:
     """What each rank of a run held beside what the plan predicts for its pipeline stage.
 
     Args:
@@ -112,11 +112,12 @@ def compare(config: RunConfig, world: int, measured: list[dict[str, int]],
             at its experts' measured load (`expert_rank_load`; `Workload.moe_imbalance`, at least 1.0: a rank below
             the mean is predicted as balanced, an upper bound) instead of balanced routing.
         layers: the layer path it built (its result["layers"]["layers"]): the local spec, or the CPU path.
+        device: "cpu", or "cuda" for a run on a GPU.
     Returns:
         One row per rank and term of `MEASURED`, then their "sum": {"rank", "stage", "term", "measured", "predicted",
         "relative_error"} (|predicted - measured| / measured).
     """
-    layout, workload = from_run_config(config, layers)
+    layout, workload = from_run_config(config, layers, device)
     m = config.model
     dropless = m.moe_expert_capacity_factor is None or not m.moe_pad_expert_input_to_capacity
     rows = []

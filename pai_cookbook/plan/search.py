@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pai_cookbook.core.configs.model_config import ModelConfig, require
-from pai_cookbook.core.machine.build import CPU_LAYERS, LOCAL_LAYERS, TE_LAYERS
+from pai_cookbook.core.machine.build import LOCAL_LAYERS, TE_LAYERS
 from pai_cookbook.plan import states
 from pai_cookbook.plan.hardware import GIB, Cluster
 from pai_cookbook.plan.layouts import Layout, Workload, valid_layouts
@@ -46,8 +46,8 @@ def plan(model: ModelConfig, cluster: Cluster, workload: Workload, overhead_gib:
     gpu = cluster.gpu
     require(workload.dtype != "bf16" or gpu.bf16,
             f"the {gpu.name} has no bf16 tensor cores ({gpu.limits}); plan dtype='fp32'.")
-    require(workload.path != CPU_LAYERS, f"layers {CPU_LAYERS!r} is what a CPU run builds (the memory check's "
-                                         f"`memory.compare`); a GPU runs {TE_LAYERS!r} or {LOCAL_LAYERS!r}.")
+    require(workload.device == "cuda", f"device {workload.device!r}: a plan is for GPUs (a CPU workload is the "
+                                       f"memory check's, `memory.compare`); plan device='cuda'.")
     require(workload.path != TE_LAYERS or gpu.transformer_engine,
             f"the {gpu.name} cannot run Transformer Engine's layers ({gpu.limits}); plan layers='{LOCAL_LAYERS}'.")
     with states.memoized():
