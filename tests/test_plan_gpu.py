@@ -121,8 +121,10 @@ def test_what_a_dsw_gpu_cannot_do_is_refused_by_name():
     assert plan_cli.main(["--model", "Llama-3-8B", "--gpu", "T4-16GB", "--seq-length", "2048", "--global-batch",
                           "8"]) == 2
     with pytest.raises(ConfigError, match="is what a CPU run builds"):
+        Workload(seq_length=2048, global_batch_size=8, layers="local+cpu")
+    with pytest.raises(ConfigError, match="a plan is for GPUs"):
         search.plan(model, Cluster(gpu=hardware.gpu("H100-80GB"), gpus_per_node=2),
-                    Workload(seq_length=2048, global_batch_size=8, layers="local+cpu"))
+                    Workload(seq_length=2048, global_batch_size=8, layers="local", device="cpu"))
 
 
 def test_fine_tuning_an_8b_model_on_the_gpus_dsw_rents():
@@ -168,6 +170,21 @@ def test_router_imbalance_slows_and_loads_the_busiest_expert_rank():
 
 
 
+def test_each_rank_s_expert_load_is_read_off_the_router_figures():
+    """memory.expert_rank_load by hand: 4 experts, layers 0-1 dense and 2-3 MoE, PP2 EP2 on 4 ranks. Stage 0 holds no
+    MoE layer (1.0 whatever the routing); on stage 1 rank 2 holds experts 0-1 (layer 2: 0.8 of the tokens, 1.6x the
+    mean; layer 3: 0.5, 1.0x): their mean without recompute, the larger under full recompute."""
+    from pai_cookbook.core.checkpoints import families
+
+    model = families.tiny("mixtral", num_layers=4, moe_layer_freq=[0, 0, 1, 1])
+    router = [{"expert_load": [[0.7, 0.1, 0.1, 0.1], [0.25] * 4]}]
+    loads = [memory.expert_rank_load(router, model, Layout(pp=2, ep=2), 4, rank) for rank in range(4)]
+    assert loads == pytest.approx([1.0, 1.0, 1.3, 0.7])
+    full = Layout(pp=2, ep=2, recompute="full")
+    assert [memory.expert_rank_load(router, model, full, 4, rank) for rank in range(4)] == pytest.approx(
+        [1.0, 1.0, 1.6, 1.0])
+
+
 def test_the_cli_plans_an_moe_model_at_the_router_load_it_is_given(capsys):
     argv = ["--model", "Mixtral-8x7B", "--gpus-per-node", "2", "--seq-length", "4096", "--global-batch", "8",
             "--top", "1"]
@@ -176,8 +193,9 @@ def test_the_cli_plans_an_moe_model_at_the_router_load_it_is_given(capsys):
     assert plan_cli.main(argv + ["--moe-imbalance", "1.5"]) == 0
     skewed = capsys.readouterr().out
     assert "MoE routing balanced" in balanced and "MoE routing 1.5x the mean on the busiest rank" in skewed
-    assert plan_cli.main(argv + ["--moe-imbalance", "0.5"]) == 2
-    assert "moe_imbalance 0.5 must be >= 1.0" in capsys.readouterr().err
+    for bad in ("0.5", "inf", "nan"):
+        assert plan_cli.main(argv + ["--moe-imbalance", bad]) == 2
+        assert f"moe_imbalance {float(bad)!r} must be" in capsys.readouterr().err
 
 
 def test_expert_tensor_parallelism_is_searched_apart_from_tp():

@@ -3,13 +3,13 @@ schedule on one rank, on the layer path the run builds (`Workload.path`).
 
 **Transformer Engine's spec** (the default on a GPU; each tensor is what upstream's code saves, docs/planning.md cites
 each): a norm fused into the linear after it (TE's `LayerNormLinear`) keeps its input and its output in e and 1/rms in
-fp32, s_n b (2 h e + 4), whether or not its output is gathered for the linear (TE saves the local slice and gathers
-again in backward); attention keeps what the local spec's does (the QKV output, alive as v's storage, rotated q and k,
-the fused kernel's output and log-sum-exp), with the rotary embedding fused (no cos and sin per layer); a dense SwiGLU
-MLP keeps fc1's output and the fused activation's, 3 s b f/t e (GELU: 2 s b f/t e); an MoE layer's experts keep
-fc1's output and the probability-weighted activation's, 3 N f_moe/etp e; the final norm is TE's (input, output,
-1/rms). With MHA, GELU, no rotary embedding and no dropout this is Korthikanti et al. 2022's per-layer count without
-the attention scores and the dropout masks, 32 s b h bytes (tests/test_plan.py).
+fp32 (LayerNorm: its mean too), s_n b (2 h e + 4), whether or not its output is gathered for the linear (TE saves the
+local slice and gathers again in backward); attention keeps what the local spec's does (the QKV output, alive as v's
+storage, rotated q and k, the fused kernel's output and log-sum-exp), with the rotary embedding fused (no cos and sin
+per layer); a dense SwiGLU MLP keeps fc1's output and the fused activation's, 3 s b f/t e (GELU: 2 s b f/t e); an MoE
+layer's experts keep fc1's output and the probability-weighted activation's, 3 N f_moe/etp e; the final norm is TE's
+(input, output, 1/rms). With MHA, GELU, no rotary embedding and no dropout this is Korthikanti et al. 2022's per-layer
+count without the attention scores and the dropout masks, 32 s b h bytes (tests/test_plan.py).
 
 **The local spec** (a GPU without TE, LoRA, and the cookbook's CPU check): what Megatron-Core's local spec saves
 with PyTorch's kernels (the cookbook's `PAI_COOKBOOK_LAYERS=local` path: `core.modeling.attention.SDPAttention` on
@@ -40,8 +40,9 @@ which change what training saves: a dense SwiGLU MLP as one autograd function (`
 the product fc2 keeps, 4 s b f/t e; a shared expert and the experts are Megatron-Core's), and queries and keys rotated
 with one cos/sin pair where the rotation covers whole heads (`cpu.attention`: 2 s head_dim e).
 
-LoRA (`Workload.lora`, the base frozen: `lora_bytes`): a norm with a frozen weight keeps its fp32 input and 1/rms but
-not the normalised input (only its weight's gradient needed it); the first layer's first norm, whose input (the
+LoRA (`Workload.lora`, the base frozen: `lora_bytes`): a decomposed norm (a CPU) with a frozen weight keeps its fp32
+input and 1/rms but not the normalised input (only its weight's gradient needed it), a fused one what it kept; the
+first layer's first norm, whose input (the
 frozen embedding's output) needs no gradient, keeps nothing (under full recompute the embedding's output is made to
 need one, so that the recomputed layers' adapters get theirs); Megatron-Core's frozen linears keep no input
 (`linear_with_frozen_weight`): the adapters' A keeps it instead, so a linear without an adapter drops it (the norm
@@ -273,8 +274,8 @@ def chunk_bytes(model: ModelConfig, layout: Layout, workload: Workload, pp_rank:
         checkpoint_input = x.s_norm * x.b * model.hidden_size * x.e
         forward += len(layers) // g * checkpoint_input
         groups = [layers[i:i + g] for i in range(0, len(layers), g)]
-        # in fp32 the first norm saves the checkpoint's input itself, which is already held
-        shared_input = checkpoint_input if x.e == FP32 else 0
+        # the first norm saves the checkpoint's input itself (already held) unless it keeps a bf16 input's fp32 copy
+        shared_input = checkpoint_input if x.e == FP32 or not decomposed_norm(model, x) else 0
         recompute = max(sum(layer_bytes(model, layout, x, n) for n in group) + lora_delta(group)
                         for group in groups) - shared_input
     else:

@@ -4,7 +4,8 @@ rules), never a second copy of them.
 
 The layer path (`Workload.layers`) is the one a run decides (`core.machine.build`): Transformer Engine's spec where TE
 is installed (NGC and PAI images; the plan's default), Megatron-Core's local spec otherwise, and always with LoRA (the
-adapters wrap the local spec's linears). It decides what each layer saves (`plan.activations`).
+adapters wrap the local spec's linears); on a CPU the local spec or the CPU path (`local+cpu`), which only the memory
+check plans (`Workload.device="cpu"`). Path and device decide what each layer saves (`plan.activations`).
 
 Context parallelism (CP) is a planner dimension only, on the Transformer Engine path: Megatron-Core's local attention
 refuses it, and the cookbook's `ParallelConfig` has no CP yet (a CP layout is one for Megatron-LM or NeMo). A layout
@@ -14,6 +15,7 @@ into 2 x CP chunks for load balance).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -106,7 +108,8 @@ class Workload:
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                     f"{name} {value!r} must be a whole number >= 1 (tokens per sequence; sequences per step).")
         require(self.dtype in ("bf16", "fp32"), f"dtype {self.dtype!r}: the plan models 'bf16' and 'fp32'.")
-        require(isinstance(self.moe_imbalance, (int, float)) and self.moe_imbalance >= 1.0,
+        require(isinstance(self.moe_imbalance, (int, float)) and math.isfinite(self.moe_imbalance)
+                and self.moe_imbalance >= 1.0,
                 f"moe_imbalance {self.moe_imbalance!r} must be >= 1.0 (the most loaded rank's tokens over the mean).")
         require(self.layers in LAYER_PATHS, f"layers {self.layers!r}: the plan models {list(LAYER_PATHS)}.")
         require(self.device in ("cuda", "cpu"), f"device {self.device!r}: 'cuda' or 'cpu'.")

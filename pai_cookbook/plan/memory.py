@@ -93,6 +93,8 @@ def expert_rank_load(router: list[dict[str, Any]], model: ModelConfig, layout: L
     stage = rank // (world // layout.pp)
     mine = {n for c in range(layout.vpp or 1) for n in states.chunk_layers(model, layout, stage, c)}
     rows = [i for i, n in enumerate(moe_layers) if n in mine]
+    if not rows or not router:  # a stage of dense layers alone holds the same whatever the routing
+        return 1.0
     per_rank = model.num_experts // layout.ep
     first = (rank % (world // layout.pp)) // (layout.etp or layout.tp) % layout.ep * per_rank
     combine = max if layout.recompute == "full" else (lambda xs: sum(xs) / len(xs))
@@ -119,12 +121,12 @@ def compare(config: RunConfig, world: int, measured: list[dict[str, int]],
     """
     layout, workload = from_run_config(config, layers, device)
     m = config.model
-    dropless = m.moe_expert_capacity_factor is None or not m.moe_pad_expert_input_to_capacity
+    routed_varies = m.moe_expert_capacity_factor is None or not m.moe_pad_expert_input_to_capacity  # not padded
     rows = []
     for rank, held in enumerate(measured):
         stage = rank // (world // layout.pp)  # Megatron-Core's rank order puts PP outermost
         loaded = workload
-        if router and m.is_moe and layout.ep > 1 and dropless:
+        if router and m.is_moe and layout.ep > 1 and routed_varies:
             load = expert_rank_load(router, m, layout, world, rank)
             loaded = replace(workload, moe_imbalance=max(1.0, load))
         predicted = stage_memory(m, layout, loaded, world, stage).terms()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from pai_cookbook.core.configs.lora import LoRAConfig
@@ -199,31 +200,32 @@ class States:
     """Of them, those with a gradient: all of them, or with LoRA the adapters'."""
 
 
-_memo: dict[tuple, States] | None = None
+_memo: ContextVar[dict[tuple, tuple[ModelConfig, States]] | None] = ContextVar("plan_states_memo", default=None)
 
 
 @contextmanager
 def memoized() -> Iterator[None]:
     """Within this block, `states` is computed once per layout that holds the same states (micro-batch, recompute and
     sequence parallelism change none of them): a search evaluates each such layout for every combination of those,
-    and listing a large MoE's expert tensors is most of its time. The model is assumed unchanged inside the block."""
-    global _memo
-    outer, _memo = _memo, {} if _memo is None else _memo
+    and listing a large MoE's expert tensors is most of its time. A model is assumed unchanged inside the block."""
+    token = _memo.set({} if _memo.get() is None else _memo.get())
     try:
         yield
     finally:
-        _memo = outer
+        _memo.reset(token)
 
 
 def states(model: ModelConfig, layout: Layout, workload: Workload, world: int, pp_rank: int) -> States:
     """Weights, gradient buffers and optimizer state of a rank of pipeline stage `pp_rank` (module doc)."""
-    if _memo is None:
+    memo = _memo.get()
+    if memo is None:
         return _states(model, layout, workload, world, pp_rank)
     same = replace(layout, micro_batch_size=1, recompute=None, recompute_num_layers=1, sequence_parallel=False)
     key = (id(model), same, workload.dtype, repr(workload.lora), workload.grad_reduce_in_fp32, world, pp_rank)
-    if key not in _memo:
-        _memo[key] = _states(model, same, workload, world, pp_rank)
-    return _memo[key]
+    held = memo.get(key)
+    if held is None or held[0] is not model:  # the model is kept with its entry: its id is not reused meanwhile
+        held = memo[key] = (model, _states(model, same, workload, world, pp_rank))
+    return held[1]
 
 
 def _states(model: ModelConfig, layout: Layout, workload: Workload, world: int, pp_rank: int) -> States:
