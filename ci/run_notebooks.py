@@ -37,7 +37,8 @@ TINY: dict[str, dict] = {
     "11_evaluate": {"REAL_MODEL": False, "FINETUNED": {}, "MMLU_PER_SUBJECT": 1, "CLOZE_ITEMS": 24, "TEXTS": 12,
                     "TENSOR_PARALLEL": 2},
     "12_preference_tuning": {"REAL_MODEL": False, "PAIRS": 128, "STEPS": 16, "LR": 1e-3, "VARIANTS": ["DPO", "SimPO"],
-                             "JUDGED": [], "HELD_OUT": 32, "SFT_STEPS": 10, "SFT_LR": 3e-3},
+                             "JUDGED": [], "HELD_OUT": 32, "SFT_STEPS": 10, "SFT_LR": 3e-3,
+                             "DPO_LR": 1e-4},
 }
 
 
