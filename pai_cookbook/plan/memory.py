@@ -89,7 +89,7 @@ def expert_rank_load(router: list[dict[str, Any]], model: ModelConfig, layout: L
     rank's pipeline stage, the shares of its block of E / EP experts (Megatron-Core's placement; expert ranks are
     ordered expert-TP, EP, DP, PP) times EP; over the layers the largest under full recompute (the recomputed layer is
     the peak) and the mean otherwise (every layer's tokens are held at once); over the steps the largest."""
-    moe_layers = [n for n in range(model.num_layers) if states.is_moe_layer(model, n)]
+    moe_layers = [n for n, moe in enumerate(model.moe_flags) if moe]  # the layers expert_load lists (RouterStats)
     stage = rank // (world // layout.pp)
     mine = {n for c in range(layout.vpp or 1) for n in states.chunk_layers(model, layout, stage, c)}
     rows = [i for i, n in enumerate(moe_layers) if n in mine]
