@@ -35,11 +35,30 @@ if [ -z "$PYTHON" ]; then
   echo "setup_env: Megatron-Core $end is tested on Python $want ($constraints was resolved for it); set PYTHON=/path/to/python$want" >&2
   exit 1
 fi
+# A first install needs room: the environment itself (measured: 6.0 GB for .venv, torch's CUDA build most of it;
+# 1.9 GB for .venv-mcore016) and pip's downloads beside it. Said before pip starts, not as a failed wheel copy.
+if ! compgen -G "$venv/lib/python*/site-packages/torch" >/dev/null; then
+  case "$end" in 0.19) need_gb=10 ;; 0.16) need_gb=4 ;; esac
+  free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt "$need_gb" ]; then
+    echo "setup_env: installing $venv needs about $need_gb GB free on this disk; $free_gb GB is (df -h .); free some space and run it again" >&2
+    exit 1
+  fi
+fi
 if [ ! -x "$venv/bin/python" ]; then
   "$PYTHON" -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-# PIPESTATUS: fail on pip's exit code, not grep's (grep only drops this machine's local-index notices).
-"$venv/bin/python" -m pip install --quiet -c "$constraints" -e ".[notebooks,test]" 2>&1 | grep -v "^WARNING: Location" || true
-test "${PIPESTATUS[0]}" -eq 0
+pip_install() {  # pip's exit status, not grep's: grep only drops this machine's local-index notices
+  local status
+  set +e
+  "$venv/bin/python" -m pip install --quiet "$@" 2>&1 | grep -v "^WARNING: Location"
+  status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" -ne 0 ]; then
+    echo "setup_env: pip install $* into $venv failed (exit $status; pip's messages are above)" >&2
+    exit "$status"
+  fi
+}
+pip_install --upgrade pip
+pip_install -c "$constraints" -e ".[notebooks,test]"
 "$venv/bin/python" -W ignore -c "import torch, megatron.core, transformers, papermill, sys; print(f'setup_env: $venv: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')" 2>&1 | grep -v "cpp_extension"
