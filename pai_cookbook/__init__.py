@@ -19,13 +19,18 @@ class _Unsaid(logging.Filter):
     C++-extension module, which Megatron-Core imports, on every machine without CUDA); Megatron-Core 0.19's "GPTModel IS
     DEPRECATED" (the cookbook builds GPTModel on purpose: it is the model every supported release has) and its DDP's
     request that callers pre-compute the distributed optimizer's parameter layout, which it then computes itself as
-    0.16 did (the cookbook builds DDP as every supported release takes it)."""
+    0.16 did (the cookbook builds DDP as every supported release takes it). And 0.19's checkpoint notices: "load_common
+    is deprecated" on every load of a checkpoint with a `common.pt`, which the cookbook's saves write on purpose so that
+    0.16 reads them (`core.checkpoints.checkpoint_format`), and "MCore's async save is deprecated", which 0.19's own
+    synchronous save prints (it saves through the asynchronous path)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(("No CUDA runtime is found", "GPTModel IS DEPRECATED",
-                                                   "DistributedDataParallel: full_param_layout not provided"))
+                                                   "DistributedDataParallel: full_param_layout not provided",
+                                                   "load_common is deprecated", "MCore's async save is deprecated"))
 
 
 for _logger in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model",
-                "megatron.core.distributed.distributed_data_parallel"):
+                "megatron.core.distributed.distributed_data_parallel",
+                "megatron.core.dist_checkpointing.strategies.common", "megatron.core.dist_checkpointing.strategies.torch"):
     logging.getLogger(_logger).addFilter(_Unsaid())
