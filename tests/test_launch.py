@@ -60,6 +60,17 @@ def test_a_one_process_crash_raises_with_its_log_tail(tmp_path):
     assert "rank 0 is about to fail" in err.value.log_tail and "deliberate failure on rank 0" in err.value.log_tail
 
 
+def test_every_benign_warning_survives_pythonwarnings():
+    # The workers get the filters through PYTHONWARNINGS, whose entries are split at commas and colons: a message with
+    # either would be dropped with "Invalid -W option ignored" printed in every worker.
+    messages = launch.ALWAYS_BENIGN_WARNINGS + launch.CPU_BENIGN_WARNINGS
+    assert not [m for m in messages if "," in m or ":" in m]
+    code = "import sys, warnings; print(len([f for f in warnings.filters if f[0] == 'ignore' and f[1] is not None]))"
+    env = {"PATH": "", "PYTHONWARNINGS": ",".join(f"ignore:{m}" for m in messages)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stderr == "" and int(out.stdout) >= len(messages), out.stderr
+
+
 def test_an_event_sharing_its_line_with_other_output_is_still_read():
     # A warning written to stderr can land right after an event on stdout (torchrun merges the two).
     event = {"event": "progress", "step": 3, "total": 9}

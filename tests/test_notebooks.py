@@ -424,7 +424,8 @@ PROGRESS_LINE = re.compile(r"\d+%\|.*\|\s*\d+/\d+ \[")
 MAX_PROGRESS_LINES = 5
 QUIET = ("Transformer Engine and Apex are not installed", "IProgress not found", "No CUDA runtime is found",
          "GPTModel IS DEPRECATED", "MimoModelConfig is experimental", "full_param_layout not provided",
-         "load_common is deprecated", "async save is deprecated")
+         "load_common is deprecated", "async save is deprecated", "The argument order of load has been changed",
+         "torch.distributed is disabled")
 # A bar saved as the 0% it was first drawn at (a widget's text without its state). The cookbook's bars end as their
 # last line (core.launching.progress); transformers' own, from a notebook cell's direct from_pretrained, are left as they are.
 STALE_BAR = re.compile(r"^(?!Loading weights)[^\n]*:\s+0%\|.*\|\s*0/\d+ \[")

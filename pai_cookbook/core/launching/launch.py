@@ -57,7 +57,11 @@ ALWAYS_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex
                           "`torch.distributed.all_gather_into_tensor` is deprecated",
                           "`torch.distributed.reduce_scatter_tensor` is deprecated",
                           # Megatron-Core 0.19 announcing, at import, that a multimodal model config is experimental
-                          "MimoModelConfig is experimental")
+                          "MimoModelConfig is experimental",
+                          # torch's checkpoint loader on how Megatron-Core 0.19's torch_dist load calls it (the reader
+                          # passed by position; no_dist=True inside the initialized group): twice on every load
+                          "The argument order of load has been changed",
+                          "torch.distributed is disabled")
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for transparent huge pages under its CPU allocator (c10's alloc_cpu: madvise(MADV_HUGEPAGE) on
 allocations of 2 MB or more). Opt-in: set it in the environment and every worker inherits it. Not the default: its
