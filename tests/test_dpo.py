@@ -127,6 +127,25 @@ def test_layouts_equal_one_process(start, prepared, tmp_path, layout):
     assert abs(one["valid"][-1]["loss"] - two["valid"][-1]["loss"]) < 1e-5
 
 
+def test_a_run_driven_to_nan_stops_at_that_step_and_saves_nothing(start, prepared, tmp_path):
+    """At a rate no weight survives (Adam moves every weight by about the rate, here 1e30) the second step is not finite
+    (its gradient norm: DPO's log-sigmoid keeps the loss itself finite): the run stops there, names the step and the
+    last finite checkpoint (the policy it started from) and saves nothing, as a training run does
+    (tests/test_work_never_lost.py)."""
+    from pai_cookbook import rlhf
+    from pai_cookbook.core.checkpoints import checkpoint
+    from pai_cookbook.core.launching.launch import WorkerError
+
+    config = dpo.DPOConfig(steps=4, lr=1e30, global_batch_size=8, micro_batch_size=4)
+    with pytest.raises(WorkerError, match=r"step 2: the loss is \S+ and the gradient norm \S+; the run stops here") as err:
+        dpo.train(start / "start", prepared, config, save_dir=tmp_path / "out", run_dir=tmp_path / "run", **QUIET)
+    assert f"last finite checkpoint is {start / 'start'}" in str(err.value)
+    assert checkpoint.finished_iterations(tmp_path / "out") == []
+    logged = rlhf.history(tmp_path / "run")
+    figures = [(loss, norm) for loss, norm in zip(logged["loss"], logged["grad_norm"], strict=True)]
+    assert len(figures) == 2 and all(map(math.isfinite, figures[0])) and not all(map(math.isfinite, figures[1]))
+
+
 def test_lora_reference_is_the_base(start, prepared, tmp_path):
     """With LoRA the set prepared on the base is the reference: step 0 is log 2 (the adapters start as the base), the
     adapters learn, and the checkpoint holds the adapters alone, naming their base."""

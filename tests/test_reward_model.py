@@ -79,6 +79,21 @@ def test_a_finished_run_asked_again_returns_its_checkpoint_and_held_out_figures(
 
 
 @pytest.mark.multiproc
+def test_a_run_driven_to_nan_stops_at_that_step_and_saves_nothing(llama, tmp_path):
+    """As a training run (tests/test_work_never_lost.py): at a rate no weight survives (1e30) the second step is not
+    finite (its loss or gradient norm), and the run stops there, names it and the last finite checkpoint, and saves
+    nothing."""
+    from pai_cookbook.core.launching.launch import WorkerError
+
+    config = reward_model.RewardModelConfig(steps=4, lr=1e30, global_batch_size=8, micro_batch_size=4)
+    with pytest.raises(WorkerError, match=r"step 2: the loss is \S+ and the gradient norm \S+; the run stops here"):
+        reward_model.train(llama, PAIRS, config, save_dir=tmp_path / "rm", run_dir=tmp_path / "run",
+                           show_progress=False, echo=False)
+    assert checkpoint.finished_iterations(tmp_path / "rm") == []
+    assert len(rlhf.history(tmp_path / "run")["loss"]) == 2
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("parallel", [ParallelConfig(tensor_model_parallel_size=2),
                                       ParallelConfig(pipeline_model_parallel_size=2)], ids=["tp2", "pp2"])
 def test_two_process_layouts_train_the_reward_model_one_process_does(trained, llama, parallel, tmp_path):

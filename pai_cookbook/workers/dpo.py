@@ -13,17 +13,15 @@ answer's tokens are minus its log-probability; the reference's come with the job
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from pai_cookbook.core.checkpoints import checkpoint
 from pai_cookbook.core.configs.rlhf_config import DPOConfig
 from pai_cookbook.core.launching import worker
 from pai_cookbook.core.launching.jobs import DPOJob
 from pai_cookbook.core.rl import preference
-from pai_cookbook.workers import pair_steps, run_state, training
+from pai_cookbook.workers import pair_steps, training
 
 FIGURES = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp")
 Pair = tuple[list[list[int]], list[int], list[float]]
@@ -90,43 +88,12 @@ def evaluate(job: DPOJob, model) -> dict[str, float]:
 
 
 def train(job: DPOJob, device) -> dict[str, Any]:
-    config = job.run
-    model, optimizer, scheduler = training.build(config, device)
-    first_step, started_from = run_state.restore(config, model, optimizer, scheduler)
-    log = run_state.StepLog(config, device, fresh=first_step == 0)
-    history, valid, saved = [], [], None
-    interval, pairs = job.dpo.eval_interval, pairs_of(job, "train")
-    if job.valid_ids and first_step == 0:
-        valid.append({"step": 0} | evaluate(job, model))
-    for step in range(first_step, config.train_iters):
-        indices = run_state.seeded_passes(len(pairs), step, job.dpo.global_batch_size, config.seed)
-        batches = micro_batches(job, [pairs[i] for i in indices])
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        reports = run_pairs(job, model, batches, forward_only=False)
-        _, grad_norm, _ = optimizer.step()
-        figures = _figures(reports) | {"grad_norm": float(grad_norm or 0.0), "lr": optimizer.param_groups[0]["lr"]}
-        scheduler.step(increment=1)
-        done = step + 1
-        if job.valid_ids and (done == config.train_iters or (interval and done % interval == 0)):
-            held_out = evaluate(job, model)
-            valid.append({"step": done} | held_out)
-            figures |= {"valid_loss": held_out["loss"], "valid_accuracy": held_out["accuracy"]}
-        saved = run_state.save_if_due(config, model, optimizer, scheduler, done,
-                                      Path(config.checkpoint.load_dir) / checkpoint.HF_ASSETS) or saved
-        history.append(figures)
-        log.write(done, figures)
-        if worker.rank() == 0:
-            worker.progress(done, config.train_iters, loss=figures["loss"], accuracy=figures["accuracy"])
-    log.close()
-    if first_step == config.train_iters:  # a finished run asked again: its checkpoint, and its held-out figures
-        saved = Path(started_from)
-        if job.valid_ids:
-            valid.append({"step": first_step} | evaluate(job, model))
-    return {"first_step": first_step, "started_from": started_from, "steps": history, "valid": valid,
-            "checkpoint": str(saved) if saved else None, "world_size": torch.distributed.get_world_size(),
-            "device": device.name}
+    model, optimizer, scheduler = training.build(job.run, device)
+    return pair_steps.train(
+        job.run, device, model, optimizer, scheduler, pairs=pairs_of(job, "train"), per_step=job.dpo.global_batch_size,
+        micro_batches=partial(micro_batches, job), run_pairs=partial(run_pairs, job), figures=_figures,
+        evaluate=partial(evaluate, job, model) if job.valid_ids else None, interval=job.dpo.eval_interval,
+        evaluate_first=True)
 
 
 @worker.entry(DPOJob)

@@ -13,15 +13,13 @@ sequence scores higher.
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from pai_cookbook.core.checkpoints import checkpoint
 from pai_cookbook.core.launching import worker
 from pai_cookbook.core.launching.jobs import RewardModelJob
-from pai_cookbook.workers import pair_steps, run_state, training
+from pai_cookbook.workers import pair_steps, training
 
 Pair = tuple[list[int], list[int], float]
 """(chosen ids, rejected ids, margin)"""
@@ -86,45 +84,18 @@ def evaluate(job: RewardModelJob, model) -> tuple[dict[str, float], list[list[fl
 
 
 def train(job: RewardModelJob, device) -> dict[str, Any]:
-    config = job.run
-    model, optimizer, scheduler = training.build(config, device, head="reward")
-    first_step, started_from = run_state.restore(config, model, optimizer, scheduler)
-    ckpt = config.checkpoint
-    log = run_state.StepLog(config, device, fresh=first_step == 0)
-    history, valid, scores, saved = [], [], [], None
-    interval, pairs = job.rm.eval_interval, pairs_of(job, "train")
-    for step in range(first_step, config.train_iters):
-        indices = run_state.seeded_passes(len(pairs), step, job.rm.global_batch_size, config.seed)
-        batches = micro_batches(job, [pairs[i] for i in indices])
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        reports = run_pairs(job, model, batches, forward_only=False)
-        _, grad_norm, _ = optimizer.step()
-        figures = _figures(reports) | {"grad_norm": float(grad_norm or 0.0), "lr": optimizer.param_groups[0]["lr"]}
-        scheduler.step(increment=1)
-        done = step + 1
-        last = done == config.train_iters
-        if job.valid_pairs and (last or (interval and done % interval == 0)):
-            held_out, scores = evaluate(job, model)
-            valid.append({"step": done} | held_out)
-            figures |= {"valid_loss": held_out["loss"], "valid_accuracy": held_out["accuracy"]}
-        saved = run_state.save_if_due(config, model, optimizer, scheduler, done,
-                                    Path(ckpt.load_dir) / checkpoint.HF_ASSETS) or saved
-        history.append(figures)
-        log.write(done, figures)
-        if worker.rank() == 0:
-            worker.progress(done, config.train_iters, loss=figures["loss"], accuracy=figures["accuracy"])
-    log.close()
-    if first_step == config.train_iters:  # a finished run asked again: its checkpoint, and its held-out figures
-        saved = Path(started_from)
-        if job.valid_pairs:
-            held_out, scores = evaluate(job, model)
-            valid.append({"step": first_step} | held_out)
-    return {"first_step": first_step, "started_from": started_from, "steps": history, "valid": valid,
-            "valid_scores": {"chosen": [s[0] for s in scores], "rejected": [s[1] for s in scores]},
-            "checkpoint": str(saved) if saved else None, "world_size": torch.distributed.get_world_size(),
-            "device": device.name}
+    model, optimizer, scheduler = training.build(job.run, device, head="reward")
+    scores: list[list[float]] = []  # the held-out pairs' (chosen, rejected) scores at the latest evaluation
+
+    def held_out() -> dict[str, float]:
+        figures, scores[:] = evaluate(job, model)
+        return figures
+
+    result = pair_steps.train(
+        job.run, device, model, optimizer, scheduler, pairs=pairs_of(job, "train"), per_step=job.rm.global_batch_size,
+        micro_batches=partial(micro_batches, job), run_pairs=partial(run_pairs, job), figures=_figures,
+        evaluate=held_out if job.valid_pairs else None, interval=job.rm.eval_interval)
+    return result | {"valid_scores": {"chosen": [s[0] for s in scores], "rejected": [s[1] for s in scores]}}
 
 
 @worker.entry(RewardModelJob)
