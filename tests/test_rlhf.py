@@ -200,6 +200,21 @@ def test_a_reward_that_fails_mid_run_saves_the_finished_steps_and_the_rerun_resu
                   echo=False)
 
 
+def test_a_run_driven_to_nan_stops_at_that_step_and_saves_nothing(llama, tmp_path):
+    """As a training run (tests/test_work_never_lost.py): at a rate no weight survives (1e30) the first step's second
+    update is not finite; the run stops at that step, names it and the last finite checkpoint (the policy it started
+    from), and saves nothing, though it was asked to save every step."""
+    from pai_cookbook.core.checkpoints import checkpoint
+    from pai_cookbook.core.launching.launch import WorkerError
+
+    config = CONFIG.__class__(**{**vars(CONFIG), "steps": 3, "lr": 1e30, "save_interval": 1})
+    with pytest.raises(WorkerError, match=r"step 1: the loss is \S+ and the gradient norm \S+; the run stops here") as err:
+        rlhf.grpo(llama, PROMPTS, REWARD, config, save_dir=tmp_path / "grpo", run_dir=tmp_path / "run",
+                  show_progress=False, echo=False)
+    assert f"last finite checkpoint is {llama}" in str(err.value)
+    assert checkpoint.finished_iterations(tmp_path / "grpo") == []
+
+
 def test_a_run_saves_every_quarter_of_its_steps_unless_told_otherwise(llama, tmp_path):
     """Issue 39, finding 5: by default an RL run saved only at its last step, so a run that died lost every step."""
     for steps, interval, expected in ((20, None, 5), (6, None, 2), (1, None, 1), (20, 0, 0), (20, 3, 3)):

@@ -88,6 +88,20 @@ def test_a_run_driven_to_nan_stops_at_that_step_and_its_last_finite_checkpoint_r
     assert resumed["started_from"] == str(kept[-1]) and all(math.isfinite(x) for x in resumed["losses"])
 
 
+def test_a_non_finite_critic_stops_the_run_and_is_named(tmp_path):
+    """PPO trains two models: a step whose critic diverged stops the run as the policy's would, and says it was the
+    critic (the message a worker raises; tests/test_rlhf.py runs a diverging GRPO)."""
+    from pai_cookbook.workers import run_state
+
+    policy = {"loss": 0.5, "grad_norm": 1.0}
+    assert run_state.finite(policy) and run_state.finite(policy | {"value_loss": 0.1, "critic_grad_norm": 2.0})
+    diverged = policy | {"value_loss": math.nan, "critic_grad_norm": math.inf}
+    assert not run_state.finite(diverged) and not run_state.finite({"loss": 0.5, "grad_norm": math.nan})
+    with pytest.raises(run_state.NonFiniteError, match=r"step 7: the loss is 0.5 and the gradient norm 1.0, the "
+                                                       r"critic's loss nan and gradient norm inf; the run stops here"):
+        run_state.stop_non_finite(_run(tmp_path / "ckpt", 8), 7, diverged, "start")
+
+
 def _holder(folder, tmp_path) -> subprocess.Popen:
     """Another process holding `folder`'s lock (as a running launch does) until it is killed."""
     ready = tmp_path / f"held-{Path(folder).name}"

@@ -6,7 +6,6 @@ checkpoints and the stop at a non-finite step."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,7 +84,7 @@ def train(config, device, model, optimizer, scheduler, *, pairs: Sequence[Any], 
         step_figures = figures(reports) | {"grad_norm": float(grad_norm or 0.0), "lr": optimizer.param_groups[0]["lr"]}
         scheduler.step(increment=1)
         done = step + 1
-        if not all(math.isfinite(step_figures[key]) for key in ("loss", "grad_norm")):
+        if not run_state.finite(step_figures):
             log.write(done, step_figures)
             log.close()
             run_state.stop_non_finite(config, done, step_figures, started_from)

@@ -290,6 +290,10 @@ def train(job: RLJob, device) -> dict[str, Any]:
             kept = _save_before_stopping(job, step, model, optimizer, scheduler, critic, controller, saved)
             raise RLError(f"{err} {kept}") from err
         done = step + 1
+        if not run_state.finite(figures):  # nothing of this step is saved; the last finite checkpoint is named
+            log.write(done, figures)
+            log.close()
+            run_state.stop_non_finite(config, done, figures, started_from)
         if controller is not None and g.kl_target is not None:
             controller.update(figures["kl_sequence"], g.rows)
         saved = run_state.save_if_due(config, model, optimizer, scheduler, done,

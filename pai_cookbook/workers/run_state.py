@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,14 @@ class NonFiniteError(RuntimeError):
     """A step's loss or gradient norm is not finite: the run stops there, before anything of it is saved."""
 
 
+_WATCHED = ("loss", "grad_norm", "value_loss", "critic_grad_norm")  # the last two: PPO's critic
+
+
+def finite(figures: dict[str, Any]) -> bool:
+    """Whether a step's losses and gradient norms (those of `_WATCHED` it reports) are all finite."""
+    return all(math.isfinite(figures[key]) for key in _WATCHED if key in figures)
+
+
 def stop_non_finite(config: RunConfig, step: int, figures: dict[str, float], started_from: str | None) -> None:
     """Stop the run at `step` (on every rank: the loss and gradient norm are global), naming the last finite
     checkpoint, which survives: nothing is saved after a non-finite step, so `keep_last` never removes it."""
@@ -127,8 +136,11 @@ def stop_non_finite(config: RunConfig, step: int, figures: dict[str, float], sta
     finished = checkpoint.finished_iterations(ckpt.save_dir) if ckpt.save_dir else []
     last = finished[-1] if finished else started_from
     fp8_hint = " the FP8 recipe or margin (precision.fp8)," if config.precision.fp8 is not None else ""
+    critic = (f", the critic's loss {figures['value_loss']} and gradient norm {figures['critic_grad_norm']}"
+              if "value_loss" in figures else "")
     raise NonFiniteError(
-        f"step {step}: the loss is {figures['loss']} and the gradient norm {figures['grad_norm']}; the run stops here "
+        f"step {step}: the loss is {figures['loss']} and the gradient norm {figures['grad_norm']}{critic}; the run stops "
+        f"here "
         f"and saves nothing of this step. The last finite checkpoint is {last or 'none (no checkpoint was saved)'}. "
         f"Try a lower learning rate (optimizer.lr, now {config.optimizer.lr}), gradient clipping (optimizer.clip_grad, "
         f"now {config.optimizer.clip_grad}),{fp8_hint} or bf16 rather than fp16; a re-run resumes from that checkpoint.")
