@@ -36,14 +36,21 @@ if [ -z "$PYTHON" ]; then
   exit 1
 fi
 # A first install needs room: the environment itself (measured: 6.0 GB for .venv, torch's CUDA build most of it;
-# 1.9 GB for .venv-mcore016) and pip's downloads beside it. Said before pip starts, not as a failed wheel copy.
-if ! compgen -G "$venv/lib/python*/site-packages/torch" >/dev/null; then
-  case "$end" in 0.19) need_gb=10 ;; 0.16) need_gb=4 ;; esac
-  free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
-  if [ "$free_gb" -lt "$need_gb" ]; then
-    echo "setup_env: installing $venv needs about $need_gb GB free on this disk; $free_gb GB is (df -h .); free some space and run it again" >&2
-    exit 1
-  fi
+# 1.9 GB for .venv-mcore016) and pip's downloads, unpacked under the temporary folder. Said before pip starts, not
+# as a failed wheel copy. "Installed" is torch's RECORD, which pip writes last (a copy cut short by a full disk
+# leaves torch's folder without it). SETUP_ENV_NEED_GIB=0 skips the check.
+if ! compgen -G "$venv/lib/python*/site-packages/torch-*.dist-info/RECORD" >/dev/null; then
+  case "$end" in 0.19) need=10 ;; 0.16) need=4 ;; esac
+  need="${SETUP_ENV_NEED_GIB:-$need}"
+  for folder in . "${TMPDIR:-/tmp}"; do
+    free=$(df -Pk "$folder" 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}') || free=""
+    if [ -n "$free" ] && [ "$free" -lt "$need" ]; then
+      echo "setup_env: installing $venv needs about $need GiB free for the environment and pip's downloads; $folder" \
+           "has $free GiB (df -h $folder). Free some space (or set TMPDIR to a folder on a larger disk) and run it" \
+           "again." >&2
+      exit 1
+    fi
+  done
 fi
 if [ ! -x "$venv/bin/python" ]; then
   "$PYTHON" -m venv "$venv"

@@ -12,6 +12,10 @@ versions.check()  # a Megatron-Core or torch outside the tested range is refused
 # notebook cell these repeated lines say nothing more. The launcher filters them in its workers likewise.
 for _message in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
     warnings.filterwarnings("ignore", message=_message)
+# Megatron-Core 0.19's torch_dist load calls torch's loader with no_dist=True inside an initialized group, and torch
+# warns on every load that it assumes one process; its twin on saving is kept (no cookbook save asks for it).
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the "
+                                          r"intent is to load in a single process")
 
 
 class _Unsaid(logging.Filter):

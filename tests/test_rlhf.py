@@ -200,19 +200,26 @@ def test_a_reward_that_fails_mid_run_saves_the_finished_steps_and_the_rerun_resu
                   echo=False)
 
 
-def test_a_run_driven_to_nan_stops_at_that_step_and_saves_nothing(llama, tmp_path):
-    """As a training run (tests/test_work_never_lost.py): at a rate no weight survives (1e30) the first step's second
-    update is not finite; the run stops at that step, names it and the last finite checkpoint (the policy it started
-    from), and saves nothing, though it was asked to save every step."""
+@pytest.mark.parametrize("epochs, stops, why", [
+    (2, 1, r"step 1: the loss is \S+ and the gradient norm \S+"),
+    (1, 2, r"step 2: sampling its rollouts, the model's next-token logits hold NaN or Inf")])
+def test_a_run_driven_to_nan_stops_at_that_step_and_saves_nothing_of_it(llama, tmp_path, epochs, stops, why):
+    """As a training run (tests/test_work_never_lost.py), at a rate no weight survives (1e30), saving every step: with
+    two updates a step the first step's second is not finite; with one (the default) the first update leaves weights
+    whose logits overflow, and the next step's sampling says so (not torch.multinomial's 'probability tensor contains
+    either inf, nan or element < 0'). The run stops there and saves nothing of that step; where the checkpoint before
+    it made it, the message says to move it aside if a re-run stops there again."""
     from pai_cookbook.core.checkpoints import checkpoint
     from pai_cookbook.core.launching.launch import WorkerError
 
-    config = CONFIG.__class__(**{**vars(CONFIG), "steps": 3, "lr": 1e30, "save_interval": 1})
-    with pytest.raises(WorkerError, match=r"step 1: the loss is \S+ and the gradient norm \S+; the run stops here") as err:
+    config = CONFIG.__class__(**{**vars(CONFIG), "steps": 3, "lr": 1e30, "epochs": epochs, "save_interval": 1})
+    with pytest.raises(WorkerError, match=why + r"[^;]*; the run stops here") as err:
         rlhf.grpo(llama, PROMPTS, REWARD, config, save_dir=tmp_path / "grpo", run_dir=tmp_path / "run",
                   show_progress=False, echo=False)
-    assert f"last finite checkpoint is {llama}" in str(err.value)
-    assert checkpoint.finished_iterations(tmp_path / "grpo") == []
+    kept = checkpoint.finished_iterations(tmp_path / "grpo")
+    assert [k.name for k in kept] == [checkpoint.iteration_dir("", step).name for step in range(1, stops)]
+    assert f"last finite checkpoint is {kept[-1] if kept else llama}" in str(err.value)
+    assert ("move it out of" in str(err.value)) == bool(kept)
 
 
 def test_a_run_saves_every_quarter_of_its_steps_unless_told_otherwise(llama, tmp_path):

@@ -48,6 +48,10 @@ BATCH_SEED_STRIDE = 1_000_003  # a prime above any batch count: distinct (seed, 
 _PP_MICROBATCH_TOKENS = 512
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model's next-token logits hold NaN or Inf: nothing can be sampled from them."""
+
+
 def _controller_class():
     from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
@@ -84,6 +88,9 @@ def _controller_class():
 
         def sample_from_logits(self, last_token_logits, sampling_params=None, vocab_size=None, **kwargs):
             raw = last_token_logits.float()
+            if not bool(torch.isfinite(raw[:, :self.real_vocab]).all()):  # else: torch.multinomial's own words
+                raise NonFiniteLogits("the model's next-token logits hold NaN or Inf: its weights are broken (a "
+                                      "diverged update or a damaged checkpoint), not the prompt")
             logits = raw.clone()
             logits[:, self.real_vocab:] = float("-inf")  # padding rows of the output layer
             if self.entropies is not None:

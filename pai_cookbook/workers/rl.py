@@ -283,12 +283,18 @@ def train(job: RLJob, device) -> dict[str, Any]:
     ckpt, history, saved = config.checkpoint, [], None
     for step in range(first_step, g.steps):
         coef = controller.coef if controller is not None else 0.0
+        broken = None
         try:
             figures, rollouts = rl_step(job, step, model, reference, optimizer, scheduler, engine, hf_tokenizer,
                                         replay, reward_model, critic, coef)
         except RLError as err:  # a reward failed on a sample: keep the steps finished so far, then stop
             kept = _save_before_stopping(job, step, model, optimizer, scheduler, critic, controller, saved)
             raise RLError(f"{err} {kept}") from err
+        except inference.NonFiniteLogits as err:  # the last update broke the policy: its next rollouts cannot be drawn
+            broken = err
+        if broken is not None:  # said outside the except block: the log's tail is the one error
+            log.close()
+            run_state.stop_with(config, step + 1, f"step {step + 1}: sampling its rollouts, {broken}", started_from)
         done = step + 1
         if not run_state.finite(figures):  # nothing of this step is saved; the last finite checkpoint is named
             log.write(done, figures)

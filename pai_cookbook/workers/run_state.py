@@ -107,8 +107,11 @@ def save_if_due(config: RunConfig, model, optimizer, scheduler, done: int, asset
 
 def save_now(config: RunConfig, model, optimizer, scheduler, done: int, assets: Path | list[Path] | None,
              **state: Any) -> Path:
-    """Save a training checkpoint after step `done` into save_dir (collective)."""
+    """Save a training checkpoint after step `done` into save_dir (collective). Weights holding NaN or Inf are never
+    saved: the run stops instead (`NonFiniteError`), so every checkpoint a run leaves is one it can resume from."""
     ckpt = config.checkpoint
+    if not weights_finite(model):
+        stop_with(config, done, f"after step {done} the weights hold NaN or Inf (the update itself overflowed)")
     if config.lora is not None:  # an adapter checkpoint names the base it adapts (a resume or merge on another is refused)
         state["lora_base"] = {"path": str(ckpt.load_dir), "identity": checkpoint_config.identity(ckpt.load_dir)}
     return checkpoint.save_training([m.module for m in model], optimizer, scheduler, done, ckpt.save_dir, config.model,
@@ -118,7 +121,7 @@ def save_now(config: RunConfig, model, optimizer, scheduler, done: int, assets: 
 
 
 class NonFiniteError(RuntimeError):
-    """A step's loss or gradient norm is not finite: the run stops there, before anything of it is saved."""
+    """A step's loss, gradient norm or weights are not finite: the run stops there, before anything of it is saved."""
 
 
 _WATCHED = ("loss", "grad_norm", "value_loss", "critic_grad_norm")  # the last two: PPO's critic
@@ -129,21 +132,40 @@ def finite(figures: dict[str, Any]) -> bool:
     return all(math.isfinite(figures[key]) for key in _WATCHED if key in figures)
 
 
-def stop_non_finite(config: RunConfig, step: int, figures: dict[str, float], started_from: str | None) -> None:
+def weights_finite(model) -> bool:
+    """Whether every rank's weights are all finite (collective: every rank gets the same answer)."""
+    params = [p for chunk in model for p in chunk.parameters()]
+    ok = torch.stack([torch.isfinite(p).all() for p in params]).all() if params else torch.tensor(True)
+    flag = ok.to(torch.int32).reshape(1)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def stop_non_finite(config: RunConfig, step: int, figures: dict[str, float], started_from: str | None = None) -> None:
     """Stop the run at `step` (on every rank: the loss and gradient norm are global), naming the last finite
     checkpoint, which survives: nothing is saved after a non-finite step, so `keep_last` never removes it."""
-    ckpt = config.checkpoint
-    finished = checkpoint.finished_iterations(ckpt.save_dir) if ckpt.save_dir else []
-    last = finished[-1] if finished else started_from
-    fp8_hint = " the FP8 recipe or margin (precision.fp8)," if config.precision.fp8 is not None else ""
     critic = (f", the critic's loss {figures['value_loss']} and gradient norm {figures['critic_grad_norm']}"
               if "value_loss" in figures else "")
+    stop_with(config, step, f"step {step}: the loss is {figures['loss']} and the gradient norm {figures['grad_norm']}"
+                        f"{critic}", started_from)
+
+
+def stop_with(config: RunConfig, step: int, what: str, started_from: str | None = None) -> None:
+    """Stop the run at `step` for `what` (a sentence without its end) by raising `NonFiniteError`, naming the last
+    finite checkpoint (save_dir's latest, else where the run started) and what to change."""
+    ckpt = config.checkpoint
+    finished = checkpoint.finished_iterations(ckpt.save_dir) if ckpt.save_dir else []
+    last = finished[-1] if finished else (started_from or ckpt.load_dir)
+    made_it = ""
+    if finished and finished[-1] == checkpoint.iteration_dir(ckpt.save_dir, step - 1):
+        made_it = (f" Its weights made step {step}: if a re-run from it stops here again, move it out of "
+                   f"{ckpt.save_dir} to resume from the one before.")
+    fp8_hint = " the FP8 recipe or margin (precision.fp8)," if config.precision.fp8 is not None else ""
     raise NonFiniteError(
-        f"step {step}: the loss is {figures['loss']} and the gradient norm {figures['grad_norm']}{critic}; the run stops "
-        f"here "
-        f"and saves nothing of this step. The last finite checkpoint is {last or 'none (no checkpoint was saved)'}. "
-        f"Try a lower learning rate (optimizer.lr, now {config.optimizer.lr}), gradient clipping (optimizer.clip_grad, "
-        f"now {config.optimizer.clip_grad}),{fp8_hint} or bf16 rather than fp16; a re-run resumes from that checkpoint.")
+        f"{what}; the run stops here and saves nothing of this step. The last finite checkpoint is "
+        f"{last or 'none (no checkpoint was saved)'}.{made_it} Try a lower learning rate (optimizer.lr, now "
+        f"{config.optimizer.lr}), gradient clipping (optimizer.clip_grad, now {config.optimizer.clip_grad}),{fp8_hint} "
+        f"or bf16 rather than fp16; a re-run resumes from the latest checkpoint.")
 
 
 def follow_the_run_asked_for(config: RunConfig, optimizer, scheduler) -> None:

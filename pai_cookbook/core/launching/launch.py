@@ -59,9 +59,9 @@ ALWAYS_BENIGN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex
                           # Megatron-Core 0.19 announcing, at import, that a multimodal model config is experimental
                           "MimoModelConfig is experimental",
                           # torch's checkpoint loader on how Megatron-Core 0.19's torch_dist load calls it (the reader
-                          # passed by position; no_dist=True inside the initialized group): twice on every load
-                          "The argument order of load has been changed",
-                          "torch.distributed is disabled")
+                          # passed by position): on every load. Its no_dist=True warning is filtered in
+                          # pai_cookbook/__init__ (its text has commas, which PYTHONWARNINGS cannot carry).
+                          "The argument order of load has been changed")
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for transparent huge pages under its CPU allocator (c10's alloc_cpu: madvise(MADV_HUGEPAGE) on
 allocations of 2 MB or more). Opt-in: set it in the environment and every worker inherits it. Not the default: its
