@@ -88,6 +88,16 @@ def test_a_run_driven_to_nan_stops_at_that_step_and_its_last_finite_checkpoint_r
     assert resumed["started_from"] == str(kept[-1]) and all(math.isfinite(x) for x in resumed["losses"])
 
 
+def test_weights_an_update_broke_are_never_saved(tmp_path):
+    """At a rate past fp32's range (1e39) the first update turns the weights to Inf/NaN although its loss and gradient
+    norm were finite: the save after it finds them, stops the run and writes nothing, so every checkpoint left is one
+    a run can resume from."""
+    with pytest.raises(WorkerError, match=r"after step 1 the weights hold NaN or Inf \(the update itself overflowed\); "
+                                          r"the run stops here and saves nothing"):
+        train.run(_run(tmp_path / "ckpt", 2, lr=1e39), run_dir=tmp_path / "r", **QUIET)
+    assert checkpoint.finished_iterations(tmp_path / "ckpt") == []
+
+
 def test_a_non_finite_critic_stops_the_run_and_is_named(tmp_path):
     """PPO trains two models: a step whose critic diverged stops the run as the policy's would, and says it was the
     critic (the message a worker raises; tests/test_rlhf.py runs a diverging GRPO)."""
