@@ -91,7 +91,7 @@ def train(job: DPOJob, device) -> dict[str, Any]:
     model, optimizer, scheduler = training.build(job.run, device)
     return pair_steps.train(
         job.run, device, model, optimizer, scheduler, pairs=pairs_of(job, "train"), per_step=job.dpo.global_batch_size,
-        micro_batches=partial(micro_batches, job), run_pairs=partial(run_pairs, job), figures=_figures,
+        batches_of=partial(micro_batches, job), run_pairs=partial(run_pairs, job), figures=_figures,
         evaluate=partial(evaluate, job, model) if job.valid_ids else None, interval=job.dpo.eval_interval,
         evaluate_first=True)
 

@@ -59,10 +59,10 @@ def held_out(config, model, pairs: Sequence[Any], size: int, make_batch: Callabl
 
 
 def train(config, device, model, optimizer, scheduler, *, pairs: Sequence[Any], per_step: int,
-          micro_batches: Callable[[list], list], run_pairs: Callable[..., list], figures: Callable[[list], dict],
+          batches_of: Callable[[list], list], run_pairs: Callable[..., list], figures: Callable[[list], dict],
           evaluate: Callable[[], dict] | None, interval: int, evaluate_first: bool = False) -> dict[str, Any]:
     """A pairwise run: resumed or started (`run_state.restore`); each step `per_step` pairs from seeded passes over
-    `pairs`, this rank's share in `micro_batches`, through `run_pairs` and one optimizer step; the held-out figures
+    `pairs`, this rank's share in micro-batches (`batches_of`), through `run_pairs` and one optimizer step; the held-out figures
     (`evaluate`; None without held-out pairs) every `interval` steps and after the last, and before the first where
     `evaluate_first`; a checkpoint when due. A step whose loss or gradient norm is not finite stops the run before
     anything of it is saved (`run_state.stop_non_finite`), as a training run stops. A finished run asked again returns
@@ -75,7 +75,7 @@ def train(config, device, model, optimizer, scheduler, *, pairs: Sequence[Any], 
         valid.append({"step": 0} | evaluate())
     for step in range(first_step, config.train_iters):
         indices = run_state.seeded_passes(len(pairs), step, per_step, config.seed)
-        batches = micro_batches([pairs[i] for i in indices])
+        batches = batches_of([pairs[i] for i in indices])
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -84,10 +84,7 @@ def train(config, device, model, optimizer, scheduler, *, pairs: Sequence[Any], 
         step_figures = figures(reports) | {"grad_norm": float(grad_norm or 0.0), "lr": optimizer.param_groups[0]["lr"]}
         scheduler.step(increment=1)
         done = step + 1
-        if not run_state.finite(step_figures):
-            log.write(done, step_figures)
-            log.close()
-            run_state.stop_non_finite(config, done, step_figures, started_from)
+        run_state.stop_if_non_finite(config, log, done, step_figures, started_from)
         if evaluate is not None and (done == config.train_iters or (interval and done % interval == 0)):
             held_out = evaluate()
             valid.append({"step": done} | held_out)

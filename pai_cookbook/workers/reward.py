@@ -93,7 +93,7 @@ def train(job: RewardModelJob, device) -> dict[str, Any]:
 
     result = pair_steps.train(
         job.run, device, model, optimizer, scheduler, pairs=pairs_of(job, "train"), per_step=job.rm.global_batch_size,
-        micro_batches=partial(micro_batches, job), run_pairs=partial(run_pairs, job), figures=_figures,
+        batches_of=partial(micro_batches, job), run_pairs=partial(run_pairs, job), figures=_figures,
         evaluate=held_out if job.valid_pairs else None, interval=job.rm.eval_interval)
     return result | {"valid_scores": {"chosen": [s[0] for s in scores], "rejected": [s[1] for s in scores]}}
 

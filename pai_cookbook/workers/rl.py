@@ -296,10 +296,7 @@ def train(job: RLJob, device) -> dict[str, Any]:
             log.close()
             run_state.stop_with(config, step + 1, f"step {step + 1}: sampling its rollouts, {broken}", started_from)
         done = step + 1
-        if not run_state.finite(figures):  # nothing of this step is saved; the last finite checkpoint is named
-            log.write(done, figures)
-            log.close()
-            run_state.stop_non_finite(config, done, figures, started_from)
+        run_state.stop_if_non_finite(config, log, done, figures, started_from)  # before anything of the step is saved
         if controller is not None and g.kl_target is not None:
             controller.update(figures["kl_sequence"], g.rows)
         saved = run_state.save_if_due(config, model, optimizer, scheduler, done,

@@ -141,6 +141,16 @@ def weights_finite(model) -> bool:
     return bool(flag.item())
 
 
+def stop_if_non_finite(config: RunConfig, log: StepLog, step: int, figures: dict[str, Any],
+                       started_from: str | None) -> None:
+    """Where `step`'s figures are not all `finite`: log them (the step that stopped the run is in metrics.jsonl),
+    close the log and stop the run (`stop_non_finite`); else nothing."""
+    if not finite(figures):
+        log.write(step, figures)
+        log.close()
+        stop_non_finite(config, step, figures, started_from)
+
+
 def stop_non_finite(config: RunConfig, step: int, figures: dict[str, float], started_from: str | None = None) -> None:
     """Stop the run at `step` (on every rank: the loss and gradient norm are global), naming the last finite
     checkpoint, which survives: nothing is saved after a non-finite step, so `keep_last` never removes it."""

@@ -27,7 +27,7 @@ from pai_cookbook.core.modeling import fp8, lora
 from pai_cookbook.core.modeling.model import torch_dtype
 from pai_cookbook.core.text import indexed_data, sft_data, tokenizer
 from pai_cookbook.workers.models import build_model
-from pai_cookbook.workers.run_state import StepLog, finite, restore, save_if_due, stop_non_finite
+from pai_cookbook.workers.run_state import StepLog, restore, save_if_due, stop_if_non_finite
 
 MAX_SYNTHETIC_STRIDE = 8
 """Synthetic samples are progressions a, a+b, a+2b, ... (mod vocab) with 1 <= b <= this."""
@@ -307,10 +307,7 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
         history.append(train_step(config, model, optimizer, scheduler, step, train_set, probe,
                                   device.transformer_engine))
         history[-1] |= log.throughput(time.perf_counter() - step_start)
-        if not finite(history[-1]):
-            log.write(step + 1, history[-1])
-            log.close()
-            stop_non_finite(config, step + 1, history[-1], started_from)
+        stop_if_non_finite(config, log, step + 1, history[-1], started_from)
         if at_start is not None and step == 0:  # logged with the first step: metrics.jsonl's records are steps
             history[-1]["valid_loss_at_start"] = at_start
         if router is not None:
