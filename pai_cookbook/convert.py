@@ -95,7 +95,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, parallel: ParallelCon
 def megatron_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = False,
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, run_dir: str | Path | None = None) -> dict[str, Any]:
     """Export a cookbook Megatron checkpoint to a Hugging Face folder (safetensors shards, config, tokenizer)."""
-    checkpoint.read_config(ckpt)  # fails early on a folder that is not a cookbook checkpoint
+    ckpt = checkpoint.resolve(ckpt)  # a save folder's latest iteration; fails early on a folder that is neither
     if checkpoint.head(ckpt) == "reward":  # its padding token, before any tensor is converted
         assets = Path(ckpt) / checkpoint.HF_ASSETS
         reward_padding(tokenizer.load(assets), assets)
@@ -187,6 +187,7 @@ def reshard(ckpt: str | Path, out: str | Path, parallel: ParallelConfig, *, over
     """
     from pai_cookbook.core.launching import launch
 
+    ckpt = checkpoint.resolve(ckpt)
     model, _ = checkpoint.read_config(ckpt)
     layout.check(model, parallel, purpose="load")
     checkpoint.check_writable(out, overwrite)

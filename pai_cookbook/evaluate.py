@@ -48,7 +48,7 @@ def tokenizer(ckpt: str | Path):
 def max_length(ckpt: str | Path) -> int:
     """Positions the model attends over: what a scored sequence (context + continuation, less its last token) may
     hold."""
-    model, _ = checkpoint.read_config(ckpt)
+    model, _ = checkpoint.read_config(checkpoint.resolve(ckpt))
     return min(x for x in (model.max_position_embeddings, model.sliding_window) if x)
 
 
@@ -94,7 +94,9 @@ def loglikelihood_tokens(ckpt: str | Path, pairs: Sequence[tuple[Sequence[int], 
             harness's Hugging Face model does); False refuses such a pair.
     Returns:
         {"results": per pair {"logprob", "greedy", "token_logprobs"}, "seconds": {"load", "score"},
-        "sequences_per_s", "truncated": how many contexts were cut, "layers"}.
+        "sequences_per_s" (requests answered per second of scoring), "fed": the sequences the model ran (requests that
+        differ only in their last token share one: a multiple-choice question's answers), "truncated": how many
+        contexts were cut, "layers"}.
     Raises:
         ConfigError: before launch: an empty continuation, a continuation longer than the model's positions, a
         pair that does not fit (without `truncate`), a layout the model cannot take.
@@ -133,12 +135,16 @@ def loglikelihood_tokens(ckpt: str | Path, pairs: Sequence[tuple[Sequence[int], 
                   precision=precision or PrecisionConfig(), batch=inputs.integer(batch, "batch"))
     result = launch.launch(job, nproc_per_node=job.processes(), run_dir=run_dir, echo=False,
                            show_progress=show_progress)
-    return {k: result[k] for k in ("results", "seconds", "sequences_per_s", "positions", "layers")} | {"truncated": cut}
+    return {k: result[k] for k in ("results", "seconds", "sequences_per_s", "positions", "fed", "layers")} | {
+        "truncated": cut}
 
 
 def loglikelihood(ckpt: str | Path, requests: Sequence[tuple[str, str]], **options: Any) -> dict[str, Any]:
     """`loglikelihood_tokens` of (context, continuation) texts, tokenized by `encode_pair` with the checkpoint's
     tokenizer; `options` are `loglikelihood_tokens`'s."""
+    from pai_cookbook.generate import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(ckpt)
     hf = tokenizer(ckpt)
     pairs = [encode_pair(hf, *_text_pair(r, i)) for i, r in enumerate(inputs.listed(requests, "requests",
                                                                                     "(context, continuation) texts"))]
@@ -193,6 +199,9 @@ def perplexity(ckpt: str | Path, texts: Sequence[str], **options: Any) -> dict[s
         those three, "logprob" (the sum), "tokens", "bytes", "words", "per_text" logprobs, "windows" (the sequences
         scored), and the launch's figures.
     """
+    from pai_cookbook.generate import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(ckpt)
     texts = [_string(t, f"text {i}") for i, t in enumerate(inputs.listed(texts, "texts", "strings"))]
     windows, owner = text_windows(tokenizer(ckpt), texts, max_length(ckpt))
     empty = sorted(set(range(len(texts))) - set(owner))
@@ -223,8 +232,8 @@ def generate_until(ckpt: str | Path, requests: Sequence[tuple[str, Sequence[str]
             Hugging Face model does); False refuses it."""
     from pai_cookbook import generate
 
-    hf = tokenizer(ckpt)
     ckpt = generate.resolve_checkpoint(ckpt)
+    hf = tokenizer(ckpt)
     model, _ = checkpoint.read_config(ckpt)
     parallel = parallel or ParallelConfig()
     layout.check(model, parallel, purpose="infer")

@@ -280,6 +280,7 @@ def grow(ckpt: str | Path, tokenizer_dir: str | Path, out: str | Path, *, init: 
 
     if init not in INITS:
         raise ConfigError(f"init {init!r} is not one of {INITS}.")
+    ckpt = checkpoint.resolve(ckpt)
     model, _ = checkpoint.read_config(ckpt)
     extension = read_extension(tokenizer_dir)
     assets = Path(ckpt) / checkpoint.HF_ASSETS
@@ -319,15 +320,18 @@ def score(checkpoints: list[str | Path], texts: dict[str, list[str]], *, pairs: 
     """
     from pai_cookbook.core.launching import launch
 
-    for ckpt in checkpoints:
-        checkpoint.read_config(ckpt)
     for base, extended, name in pairs:
         if name not in texts:
             raise ConfigError(f"pair ({base}, {extended}) names text set {name!r}; known: {sorted(texts)}.")
-    job = ScoreJob(checkpoints=[str(c) for c in checkpoints], texts=texts,
-                   pairs=[[str(a), str(b), name] for a, b, name in pairs], batch=batch)
+    resolved = {str(c): str(checkpoint.resolve(c)) for c in [*checkpoints, *(p for a, b, _ in pairs for p in (a, b))]}
+    for ckpt in resolved.values():
+        checkpoint.read_config(ckpt)
+    job = ScoreJob(checkpoints=[resolved[str(c)] for c in checkpoints], texts=texts,
+                   pairs=[[resolved[str(a)], resolved[str(b)], name] for a, b, name in pairs], batch=batch)
     result = launch.launch(job, run_dir=run_dir, echo=False, show_progress=False)
-    return {k: v for k, v in result.items() if k != "events"}
+    given = {str(c): resolved[str(c)] for c in checkpoints}  # the results keep the names the caller gave
+    return {k: v for k, v in result.items() if k != "events"} | {
+        "bits_per_char": {name: result["bits_per_char"][path] for name, path in given.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

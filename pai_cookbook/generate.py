@@ -50,10 +50,7 @@ __all__ = ["CHAT_TEMPLATE_MODES", "DTYPES", "GenerationBatch", "GenerationConfig
 def resolve_checkpoint(path: str | Path, language_model: bool = True) -> Path:
     """A cookbook checkpoint folder, or a training save_dir's latest finished iteration; with
     `language_model`, refused when it is a reward model (it has no logits to generate or train from)."""
-    path = Path(path)
-    if not (path / checkpoint.CONFIG_FILE).exists():
-        latest = checkpoint.finished_iterations(path)
-        path = latest[-1] if latest else path
+    path = checkpoint.resolve(path)
     problem = damage.damage(path) if (path / ".metadata").exists() else None
     if problem:
         raise ConfigError(f"{path} is damaged: {problem}. Give an earlier checkpoint; a training run resumed into "

@@ -25,12 +25,7 @@ def adapter_folder(path: str | Path) -> tuple[Path, Path]:
 
     Raises:
         ConfigError: no adapters there, or a base that is missing or another checkpoint than it was."""
-    folder = Path(path)
-    if not (folder / checkpoint.CONFIG_FILE).exists():
-        latest = checkpoint.finished_iterations(folder)[-1:]
-        if not latest:
-            raise ConfigError(f"{folder} is neither a checkpoint nor a save_dir holding one; give a LoRA run's save_dir.")
-        folder = latest[0]
+    folder = checkpoint.resolve(path)
     base = checkpoint.read_state(folder).get("lora_base")
     if base is None:
         raise ConfigError(f"{folder} holds no LoRA adapters (a full checkpoint): train with "

@@ -156,6 +156,7 @@ def upcycle(dense_ckpt: str | Path, out: str | Path, *, num_experts: int, topk: 
     """
     from pai_cookbook.core.launching import launch
 
+    dense_ckpt = checkpoint.resolve(dense_ckpt)
     dense, _ = checkpoint.read_config(dense_ckpt)
     moe = upcycled_config(dense, num_experts, topk, **moe_fields)
     parallel = parallel or ParallelConfig()

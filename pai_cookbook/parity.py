@@ -49,6 +49,7 @@ def check_layouts(hf_dir: str | Path, ckpt: str | Path, layouts: list[ParallelCo
 
     from pai_cookbook.core.launching import launch
 
+    ckpt = checkpoint.resolve(ckpt)
     model, _ = checkpoint.read_config(ckpt)
     world = math.lcm(*(layout.world_size(p) for p in layouts))
     for parallel in layouts:

@@ -169,7 +169,13 @@ def launch_training(job, runs: list[RunConfig], check: Callable[[int, Any], None
     each run's `preflight` (its files, and the resume rule: a damaged latest checkpoint set aside, a finished run's
     history read, an occupied save_dir refused or emptied as asked), `after()`, then the launch.
 
+    A save folder given as a run's `checkpoint.load_dir` is resolved first to its latest finished iteration
+    (`checkpoint.resolve`), which the config then names: the workers load what the checks read.
+
     Returns rank 0's result."""
+    for config in runs:
+        if config.checkpoint.load_dir:
+            config.checkpoint.load_dir = str(checkpoint.resolve(config.checkpoint.load_dir))
     world = runtime.detect_launch_env().world_size(nproc_per_node)
     # the device as the launcher will decide it for this job (its layers narrowed), so both checks see one machine
     _, device = decided(job, runtime.detect_device({**os.environ, **(launch_kwargs.get("env") or {})}))

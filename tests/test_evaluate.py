@@ -47,7 +47,8 @@ def _transformers(hf, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[fl
 def test_loglikelihoods_equal_transformers_at_every_layout(tiny, tmp_path):
     """Each continuation's log-probability and greedy flag at TP=1, TP=2 with sequence parallelism, and PP=2, against
     transformers on the same ids: within 1e-4 in fp32, the flags identical. One request continues with the model's
-    own greedy tokens, so a flag is True somewhere (a random model's are otherwise all False)."""
+    own greedy tokens, so a flag is True somewhere (a random model's are otherwise all False); five more share their
+    fed tokens with it or with each other, as a multiple-choice question's do, and fewer sequences are fed."""
     import transformers
 
     hf, ckpt = tiny
@@ -58,14 +59,20 @@ def test_loglikelihoods_equal_transformers_at_every_layout(tiny, tmp_path):
     with torch.no_grad():
         own = model.generate(torch.tensor([context]), max_new_tokens=3, do_sample=False)[0, len(context):].tolist()
     pairs.append((context, own))
+    # A multiple-choice question's requests: one context, continuations that differ in their last token only (one
+    # token each, the model's own first among them; and the own three tokens' first two with another last), which the
+    # worker feeds once and reads at one position (workers.evaluate.shared_inputs)
+    pairs += [(context, [token]) for token in (own[0], 17, 1234, 3)] + [(context, own[:2] + [own[2] + 1])]
     reference = _transformers(hf, pairs)
-    assert reference[-1][1] and not all(flag for _, flag in reference)
+    assert reference[len(REQUESTS)][1] and reference[len(REQUESTS) + 1][1] and not all(flag for _, flag in reference)
     layouts = [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
                ParallelConfig(pipeline_model_parallel_size=2)]
     for i, parallel in enumerate(layouts):
         out = evaluate.loglikelihood_tokens(ckpt, pairs, parallel=parallel, batch=3, run_dir=tmp_path / f"r{i}",
                                             **QUIET)
         got = [(r["logprob"], r["greedy"]) for r in out["results"]]
+        # the first request and the four one-token answers share a pass, the own three tokens and their variant one
+        assert out["fed"] == len(pairs) - 5, out["fed"]
         assert [g for _, g in got] == [g for _, g in reference], parallel
         assert max(abs(a - b) for (a, _), (b, _) in zip(got, reference)) <= 1e-4, (parallel, got, reference)
 

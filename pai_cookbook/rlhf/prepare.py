@@ -40,6 +40,7 @@ def records_of(prompts: Sequence[str | dict[str, Any]], what: str = "prompt") ->
 def check_reference(policy: Path, reference: Path) -> None:
     """The reference must be the same model (architecture and tokenizer) as the policy, or the KL is of
     two different vocabularies' distributions."""
+    policy, reference = checkpoint.resolve(policy), checkpoint.resolve(reference)
     mine, _ = checkpoint.read_config(policy)
     theirs, _ = checkpoint.read_config(reference)
     differ = [name for name in vars(mine) if getattr(mine, name) != getattr(theirs, name)]

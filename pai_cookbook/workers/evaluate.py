@@ -5,6 +5,11 @@ it, with whether it is the model's greedy choice there. Nothing vocabulary-wide 
 holds a slice of the vocabulary's logits, and the log-softmax and argmax are reduced over the slices (a 50,000-token
 vocabulary's logits at 2,048 positions are 400 MB per sequence in fp32; the scores are two numbers per position).
 Megatron-Core's vocabulary padding rows are not tokens: they are masked out, as the Hugging Face model has none.
+
+Requests that feed the same tokens and differ only in their last scored token (a multiple-choice question's " A",
+" B", " C", " D" after one context) are one forward pass: the log-probabilities of every such last token are read at
+the same position (`shared_inputs`; the harness's Hugging Face model caches these logits likewise). MMLU's four
+requests per question cost one pass.
 """
 
 from __future__ import annotations
@@ -55,21 +60,37 @@ def vocab_parallel_scores(logits: torch.Tensor, targets: torch.Tensor, vocab_siz
     return target_logit - top - summed.log(), greedy
 
 
-def score_batch(chunks: list[torch.nn.Module], tokens: torch.Tensor, targets: torch.Tensor, vocab_size: int
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`vocab_parallel_scores` of one batch on the last pipeline stage, returned on global rank 0 (None elsewhere)."""
-    targets = targets.to(next(chunks[0].parameters()).device)
+def score_batch(chunks: list[torch.nn.Module], tokens: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                last: torch.Tensor | None = None, finals: torch.Tensor | None = None) -> tuple | None:
+    """`vocab_parallel_scores` of one batch on the last pipeline stage, returned on global rank 0 (None elsewhere); with
+    `last` (each row's last fed position) and `finals` [rows, k] (ids), also the scores of each of those ids there."""
+    device = next(chunks[0].parameters()).device
+    targets = targets.to(device)
 
-    def collect(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def collect(output: torch.Tensor) -> tuple:
         logprobs, greedy = vocab_parallel_scores(output, targets, vocab_size)
-        return logprobs.cpu(), greedy.cpu()
+        if finals is None:
+            return logprobs.cpu(), greedy.cpu()
+        at = output[torch.arange(output.shape[0], device=device), last.to(device)]  # [rows, vocab / TP]
+        options = at.unsqueeze(1).expand(-1, finals.shape[1], -1)
+        final_logprobs, final_greedy = vocab_parallel_scores(options, finals.to(device), vocab_size)
+        return logprobs.cpu(), greedy.cpu(), final_logprobs.cpu(), final_greedy.cpu()
     return forward.last_stage(chunks, tokens, collect)
 
 
-def batches(job: EvalJob, multiple: int):
-    """(indices, fed tokens, targets) of batches of similar length (longest first), each padded to a multiple of
-    `multiple` positions (sequence parallelism splits the sequence over TP)."""
-    order = sorted(range(len(job.sequences)), key=lambda i: -len(job.sequences[i]))
+def shared_inputs(job: EvalJob) -> dict[int, list[int]]:
+    """The sequences fed once (a representative's index) -> every request it answers: those whose tokens but the last
+    are the same and which score as many tokens (so they differ in the last scored token at most)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, ids in enumerate(job.sequences):
+        groups.setdefault((tuple(ids[:-1]), job.scored[i]), []).append(i)
+    return {members[0]: members for members in groups.values()}
+
+
+def batches(job: EvalJob, multiple: int, fed: list[int]):
+    """(indices, fed tokens, targets) of the sequences `fed` in batches of similar length (longest first), each padded
+    to a multiple of `multiple` positions (sequence parallelism splits the sequence over TP)."""
+    order = sorted(fed, key=lambda i: -len(job.sequences[i]))
     for start in range(0, len(order), job.batch):
         picked = order[start:start + job.batch]
         width = -(-max(len(job.sequences[i]) - 1 for i in picked) // multiple) * multiple
@@ -91,24 +112,33 @@ def evaluate(job: EvalJob, device) -> dict[str, Any] | None:
     loaded = time.perf_counter()
     results: list[dict[str, Any]] = [{} for _ in job.sequences]
     multiple = job.parallel.tensor_model_parallel_size if job.parallel.sequence_parallel else 1
-    positions = 0
-    for done, (picked, tokens, targets) in enumerate(batches(job, multiple), start=1):
-        scores = score_batch(chunks, tokens, targets, model.vocab_size)
+    positions, answered = 0, 0
+    groups = shared_inputs(job)
+    for picked, tokens, targets in batches(job, multiple, list(groups)):
+        last = torch.tensor([len(job.sequences[i]) - 2 for i in picked])
+        width = max(len(groups[i]) for i in picked)
+        finals = torch.tensor([[job.sequences[m][-1] for m in groups[i]] + [PAD] * (width - len(groups[i]))
+                               for i in picked]) if width > 1 else None
+        scores = score_batch(chunks, tokens, targets, model.vocab_size, last, finals)
         positions += tokens.numel()
         if scores is not None:
-            logprobs, greedy = scores
+            logprobs, greedy = scores[:2]
             for row, i in enumerate(picked):
                 end = len(job.sequences[i]) - 1
                 span = slice(end - job.scored[i], end)
-                results[i] = {"logprob": float(logprobs[row, span].double().sum()),
-                              "greedy": bool(greedy[row, span].all()),
-                              "token_logprobs": logprobs[row, span].tolist()}
-        worker.progress(min(done * job.batch, len(job.sequences)), len(job.sequences))
+                for k, member in enumerate(groups[i]):
+                    token_logprobs, flags = logprobs[row, span].clone(), greedy[row, span].clone()
+                    if finals is not None:  # the member's own last token, read at the shared last position
+                        token_logprobs[-1], flags[-1] = scores[2][row, k], scores[3][row, k]
+                    results[member] = {"logprob": float(token_logprobs.double().sum()), "greedy": bool(flags.all()),
+                                       "token_logprobs": token_logprobs.tolist()}
+        answered += sum(len(groups[i]) for i in picked)
+        worker.progress(answered, len(job.sequences))
     if torch.distributed.get_rank() != 0:
         return None
     scored = time.perf_counter()
     return {"results": results, "seconds": {"load": loaded - start, "score": scored - loaded},
-            "positions": positions, "sequences_per_s": len(job.sequences) / max(scored - loaded, 1e-9)}
+            "positions": positions, "fed": len(groups), "sequences_per_s": len(job.sequences) / max(scored - loaded, 1e-9)}
 
 
 @worker.entry(EvalJob)

@@ -25,7 +25,16 @@ from typing import Any
 import torch
 
 from pai_cookbook.core.checkpoints import checkpoint_format
-from pai_cookbook.core.checkpoints.checkpoint_config import CONFIG_FILE, DTYPE_NAMES, PARTIAL_SUFFIX, description, read_config  # noqa: F401
+from pai_cookbook.core.checkpoints.checkpoint_config import (  # noqa: F401
+    CONFIG_FILE,
+    DTYPE_NAMES,
+    ITER_PREFIX,
+    PARTIAL_SUFFIX,
+    description,
+    finished_iterations,
+    read_config,
+    resolve,
+)
 from pai_cookbook.core.configs.model_config import ModelConfig
 from pai_cookbook.core.modeling.lora import is_adapter_key
 from pai_cookbook.core.text import tokenizer
@@ -112,8 +121,8 @@ def copy_assets(src: Path, dst: Path) -> list[str]:
 
 
 def load_tokenizer(ckpt: str | Path):
-    """The Hugging Face tokenizer a checkpoint carries in `hf_assets/`."""
-    return tokenizer.load(Path(ckpt) / HF_ASSETS, what=f"checkpoint {ckpt}")
+    """The Hugging Face tokenizer a checkpoint (or a save folder's latest) carries in `hf_assets/`."""
+    return tokenizer.load(resolve(ckpt) / HF_ASSETS, what=f"checkpoint {ckpt}")
 
 
 def _state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
@@ -244,9 +253,6 @@ def _load_into(chunk: torch.nn.Module, loaded: dict[str, Any], ckpt: str | Path,
 # ------------------------------------------------------------------------------------------------
 # Training checkpoints: model + optimizer + LR schedule + step + RNG, in save_dir/iter_NNNNNNN
 # ------------------------------------------------------------------------------------------------
-ITER_PREFIX = "iter_"
-
-
 def iteration_dir(save_dir: str | Path, step: int) -> Path:
     return Path(save_dir) / f"{ITER_PREFIX}{step:07d}"
 
@@ -257,16 +263,6 @@ def resume_point(ckpt: Any) -> Path | None:
     scratch. What is damaged is set aside before this is asked (`damage.set_damaged_aside`, the launch's preflight)."""
     latest = finished_iterations(ckpt.save_dir)[-1:] if ckpt.save_dir and ckpt.resume else []
     return latest[0] if latest else None
-
-
-def finished_iterations(save_dir: str | Path) -> list[Path]:
-    """Complete training checkpoints in save_dir, oldest first (.partial folders are never listed)."""
-    folder = Path(save_dir)
-    if not folder.is_dir():
-        return []
-    done = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(ITER_PREFIX)
-            and p.name[len(ITER_PREFIX):].isdigit() and (p / CONFIG_FILE).exists()]
-    return sorted(done, key=lambda p: int(p.name[len(ITER_PREFIX):]))
 
 
 def saved_layout(ckpt: str | Path) -> dict[str, int] | None:

@@ -17,6 +17,48 @@ from pai_cookbook.core.launching import inputs
 CONFIG_FILE = "pai_cookbook.json"
 PARTIAL_SUFFIX = ".partial"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+ITER_PREFIX = "iter_"
+
+
+def finished_iterations(save_dir: str | Path) -> list[Path]:
+    """Complete training checkpoints in save_dir, oldest first (.partial folders are never listed)."""
+    folder = Path(save_dir)
+    if not folder.is_dir():
+        return []
+    done = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(ITER_PREFIX)
+            and p.name[len(ITER_PREFIX):].isdigit() and (p / CONFIG_FILE).exists()]
+    return sorted(done, key=lambda p: int(p.name[len(ITER_PREFIX):]))
+
+
+def resolve(ckpt: str | Path) -> Path:
+    """The checkpoint a path names, the one rule every entry point that takes a checkpoint follows: the folder itself
+    where it is a cookbook checkpoint (it holds `pai_cookbook.json`), else a training run's save folder's latest
+    finished `iter_*` (what `train.run`, `dpo.train` and the RL runs leave). An entry point resolves once and hands
+    the resolved folder on, so a run that finishes another iteration meanwhile cannot mix two of them.
+
+    Raises:
+        FileNotFoundError: neither, naming what the folder holds instead.
+    """
+    folder = Path(ckpt)
+    partial = folder.name.endswith(PARTIAL_SUFFIX)  # written into, then renamed: never loadable, whatever it holds
+    if (folder / CONFIG_FILE).exists() and not partial:
+        return folder
+    latest = [] if partial else finished_iterations(folder)
+    if latest:
+        return latest[-1]
+    if partial:
+        found = "a .partial folder is an unfinished write"
+    elif not folder.exists():
+        found = "it does not exist"
+    elif folder.is_dir():
+        unfinished = sorted(p.name for p in folder.glob(f"{ITER_PREFIX}*"))
+        found = (f"it holds no finished iteration ({', '.join(unfinished[:3])} "
+                 f"{'are' if len(unfinished) > 1 else 'is'} unfinished)" if unfinished else "it holds no iter_* folder")
+    else:
+        found = "it is a file"
+    raise FileNotFoundError(f"{ckpt} has no {CONFIG_FILE} and is not a training save folder with a finished "
+                            f"{ITER_PREFIX}* checkpoint ({found}): give a checkpoint written by the cookbook "
+                            f"(convert.hf_to_megatron writes one) or the save_dir of a finished train.run.")
 
 
 def read_config(ckpt: str | Path) -> tuple[ModelConfig, torch.dtype]:

@@ -311,8 +311,9 @@ class RunConfig(Job):
         continued training): its model and precision are the checkpoint's own
         (`core.checkpoints.checkpoint_config.read_config`), `fields` set the rest (optimizer, data, train_iters, seed,
         parallel, ...); a re-run into `save_dir` resumes unless `overwrite`."""
-        from pai_cookbook.core.checkpoints.checkpoint_config import DTYPE_NAMES, read_config
+        from pai_cookbook.core.checkpoints.checkpoint_config import DTYPE_NAMES, read_config, resolve
 
+        start = resolve(start)  # a save folder: its latest finished iteration
         model, dtype = read_config(start)
         return cls(model=model, precision=PrecisionConfig(dtype=DTYPE_NAMES[dtype]), **fields,
                    checkpoint=CheckpointConfig(load_dir=str(start), save_dir=str(save_dir) if save_dir else None,
