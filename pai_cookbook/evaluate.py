@@ -239,9 +239,6 @@ def generate_until(ckpt: str | Path, requests: Sequence[tuple[str, Sequence[str]
     layout.check(model, parallel, purpose="infer")
     checked = [(_string(c, f"request {i}'s context"), [_string(s, f"request {i}'s stop string") for s in until])
                for i, (c, until) in enumerate(inputs.listed(requests, "requests", "(context, stop strings)"))]
-    stops = sorted({s for _, until in checked for s in until if s})
-    config = GenerationConfig(max_new_tokens=max_new_tokens, repetition_penalty=1.0, stop=tuple(stops),
-                              chat_template="never")
     room = max_length(ckpt) - max_new_tokens
     if room < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} leaves no room for a context in the model's "
@@ -249,12 +246,26 @@ def generate_until(ckpt: str | Path, requests: Sequence[tuple[str, Sequence[str]
     ids = [encode(hf, context) or [prefix_id(hf)] for context, _ in checked]
     if truncate:
         ids = [i[-room:] for i in ids]
-    longest = generate.check_fits(ids, [{"line": i} for i in range(len(ids))], max_length(ckpt), config)
-    job = GenerationJob(ckpt=str(Path(ckpt).resolve()), prompt_ids=ids, config=config, parallel=parallel,
-                        eos_ids=tokenizers.eos_ids(Path(ckpt) / checkpoint.HF_ASSETS, hf), max_sequence=longest)
-    (out,) = generate.run_jobs([job], run_dir=run_dir, show_progress=show_progress)
+    # A row stops at its own strings only: rows are grouped by their stop strings, a job each, one launch for all
+    # (one job for the union let a row end at another request's stop)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, (_, until) in enumerate(checked):
+        groups.setdefault(tuple(sorted({s for s in until if s})), []).append(i)
+    eos = tokenizers.eos_ids(Path(ckpt) / checkpoint.HF_ASSETS, hf)
+    jobs = []
+    for stops, members in groups.items():
+        config = GenerationConfig(max_new_tokens=max_new_tokens, repetition_penalty=1.0, stop=stops,
+                                  chat_template="never")
+        longest = generate.check_fits([ids[i] for i in members], [{"line": i} for i in members], max_length(ckpt),
+                                      config)
+        jobs.append(GenerationJob(ckpt=str(Path(ckpt).resolve()), prompt_ids=[ids[i] for i in members], config=config,
+                                  parallel=parallel, eos_ids=eos, max_sequence=longest))
+    generated: list[list[int]] = [[] for _ in checked]
+    for members, out in zip(groups.values(), generate.run_jobs(jobs, run_dir=run_dir, show_progress=show_progress)):
+        for i, tokens in zip(members, out["tokens"]):
+            generated[i] = tokens
     answers = []
-    for tokens, (_, until) in zip(out["tokens"], checked):
+    for tokens, (_, until) in zip(generated, checked):
         text = hf.decode(tokens, skip_special_tokens=True)
         for stop in until:
             if stop:
