@@ -128,6 +128,11 @@ def upcycled_config(dense: ModelConfig, num_experts: int, topk: int = 2, **moe_f
     if dense.family not in UPCYCLE_TARGETS:
         raise ConfigError(f"family {dense.family!r} has no MoE counterpart to upcycle into; supported: "
                           f"{sorted(UPCYCLE_TARGETS)} -> mixtral.")
+    if topk == 1:  # Megatron-Core's own refusal came from the worker, after every check here had passed
+        raise ConfigError("topk=1: Megatron-Core routes one expert per token only with the softmax taken before the "
+                          "top-k (moe_router_pre_softmax), which weights that expert by its probability, about "
+                          "1/num_experts at the start, so the upcycled model would not compute the dense one. Upcycle "
+                          "with topk >= 2 (Mixtral's 2: the top-k weights then sum to one).")
     bad = sorted(set(moe_fields) & _CHANGE_THE_FUNCTION)
     if bad:
         raise ConfigError(f"{bad} would make the upcycled model compute something else than the dense one at "

@@ -113,6 +113,10 @@ def test_upcycling_refuses_what_would_change_the_function():
         moe.upcycled_config(families.tiny("qwen2"), 4)
     with pytest.raises(ConfigError, match=r"is MoE already"):
         moe.upcycled_config(families.tiny("mixtral"), 4)
+    # one expert per token: Megatron-Core asks for the softmax before the top-k, which scales the one copy by its
+    # probability (the worker died in Megatron-Core's words once every check here had passed)
+    with pytest.raises(ConfigError, match=r"topk=1: .*moe_router_pre_softmax.*Upcycle with topk >= 2"):
+        moe.upcycled_config(dense, 4, topk=1)
     upcycled = moe.upcycled_config(dense, 8, topk=2, moe_aux_loss_coeff=0.01)
     assert (upcycled.num_experts, upcycled.moe_ffn_hidden_size, upcycled.moe_aux_loss_coeff) == (8, 128, 0.01)
 
