@@ -271,6 +271,10 @@ def test_among_tied_layouts_the_one_with_the_most_memory_free_is_chosen():
     (["--gpus-per-node", "6", "--seq-length", "4096", "--global-batch", "7"],  # 7 sequences over DP 3 or 6: none
      "no layout of 6 GPUs takes a global batch of 7"),
     (["--seq-length", "4096", "--global-batch", "8", "--tokens", "-1"], "--tokens -1: the training tokens must be > 0"),
+    # a folder without config.json and a nan overhead ended in tracebacks; a negative one counted layouts as fitting
+    (["--model", "/", "--seq-length", "4096", "--global-batch", "8"], "no config.json in /"),
+    (["--seq-length", "4096", "--global-batch", "8", "--overhead-gib", "nan"], "--overhead-gib nan: the memory"),
+    (["--seq-length", "4096", "--global-batch", "8", "--overhead-gib", "-50"], "must be a finite number of GiB >= 0"),
 ])
 def test_a_workload_no_layout_can_take_is_an_error_naming_why(argv, message, capsys):
     """Exit 2 with the reason, never "0 valid layouts" and exit 0, nor "-0.0 days"."""

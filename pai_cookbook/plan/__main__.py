@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.tokens is not None and not args.tokens > 0:
             raise ConfigError(f"--tokens {args.tokens:g}: the training tokens must be > 0 (1e11 is 100 B tokens).")
+        if not 0 <= args.overhead_gib < float("inf"):  # nan fails both comparisons
+            raise ConfigError(f"--overhead-gib {args.overhead_gib:g}: the memory a framework holds beside the model "
+                              f"must be a finite number of GiB >= 0 (default {FRAMEWORK_OVERHEAD_GIB:g}); a negative one "
+                              f"would count layouts that do not fit as fitting.")
         for flag in ("gpus_per_node", "nodes", "top"):
             if getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
@@ -46,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         workload = Workload(seq_length=args.seq_length, global_batch_size=args.global_batch, dtype=args.dtype,
                             layers=args.layers, moe_imbalance=args.moe_imbalance)
         options = plan(model, cluster, workload, args.overhead_gib)
-    except ConfigError as err:
+    except (ConfigError, FileNotFoundError) as err:  # a folder without config.json among them
         print(f"error: {err}", file=sys.stderr)
         return 2
     fitting = sum(o.fits for o in options)
