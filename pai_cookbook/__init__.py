@@ -1,11 +1,18 @@
 """PAI Megatron Cookbook helper package: `core/` (the engine), the recipes, `workers/` (what torchrun runs)."""
 
 import logging
+import sys
 import warnings
 
 from pai_cookbook.core.machine import versions
 
-versions.check()  # a Megatron-Core or torch outside the tested range is refused here, naming the range and the fix
+try:
+    versions.check()  # a Megatron-Core or torch outside the tested range is refused here, naming the range and the fix
+except RuntimeError as _refused:
+    if sys.argv[:1] == ["-m"]:  # `python -m pai_cookbook.<command>`: said as its bad input is, not as a traceback
+        print(f"error: {_refused}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise
 
 # Megatron-Core warns at import, once per module, that Transformer Engine and Apex are missing. The
 # environment report (`runtime.environment_report`, notebook 00) says which layers run here, once; in a

@@ -93,3 +93,22 @@ def test_the_range_checked_at_import_is_the_one_pyproject_declares():
                 for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
     assert declared["megatron-core"] == versions.MEGATRON_CORE and declared["torch"] == versions.TORCH
     assert set(versions.TESTED) == {"0.16", "0.19"}
+
+
+@pytest.mark.parametrize("command", ["pai_cookbook.plan", "pai_cookbook.convert", "pai_cookbook.harness"])
+def test_a_command_under_a_megatron_core_outside_the_range_says_one_line(command, tmp_path):
+    """`python -m pai_cookbook.<command>` beside a Megatron-Core outside the range: exit 2 and the refusal as one line,
+    as its bad input is said (it was an import traceback); a plain import still raises."""
+    import subprocess
+    import sys
+
+    metadata = tmp_path / "megatron_core-0.5.0.dist-info"  # found before the installed one: PYTHONPATH comes first
+    metadata.mkdir()
+    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.5.0\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    ran = subprocess.run([sys.executable, "-m", command, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr
+    assert ran.stderr.startswith("error: megatron-core 0.5.0 is installed, but the cookbook is tested on megatron-core")
+    imported = subprocess.run([sys.executable, "-c", "import pai_cookbook"], env=env, capture_output=True, text=True,
+                              timeout=120)
+    assert imported.returncode == 1 and "RuntimeError: megatron-core 0.5.0 is installed" in imported.stderr
