@@ -122,7 +122,7 @@ def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, ne
 def _extend_byte_bpe(base, base_dir: Path, folder: Path, texts: list[str], new_tokens: int,
                      min_frequency: int) -> tuple[int, int, list[str], int]:
     merges = vocabulary.learn_bpe_merges(base.backend_tokenizer, texts, new_tokens, min_frequency=min_frequency)
-    _check_learned(len(merges.pairs), new_tokens, texts, min_frequency)
+    _check_learned(len(merges.pairs), new_tokens, texts, min_frequency, byte_level=True)
     check_no_special_spelled(base, [base.backend_tokenizer.decoder.decode([t]) for t in merges.tokens])
     first = _write_byte_bpe(base, base_dir, folder, merges.pairs)
     reach = vocabulary.reach(tokenizer.load(folder), texts, first)
@@ -181,11 +181,18 @@ def _extend_sentencepiece(base, base_dir: Path, folder: Path, texts: list[str],
     return first, len(pieces), [p for p in pieces if p not in kept], len(unreached)
 
 
-def _check_learned(learned: int, requested: int, texts: list[str], min_frequency: int) -> None:
+def _check_learned(learned: int, requested: int, texts: list[str], min_frequency: int, byte_level: bool = False) -> None:
     if learned * 2 < requested:
-        raise ConfigError(f"the corpus ({len(texts)} texts, {sum(map(len, texts))} characters) gives only {learned} "
+        characters = sum(map(len, texts))
+        ascii_share = sum(c.isascii() for t in texts for c in t) / max(characters, 1)
+        why = (f" The corpus is {ascii_share:.0%} ASCII, and a byte-level tokenizer is extended only with merges "
+               f"whose token holds a non-ASCII byte: an ASCII merge would change how old text (English, code) is "
+               f"tokenized, which the base already covers. Extension is for text the base splits into bytes (Chinese, "
+               f"say); give such text." if byte_level and ascii_share > 0.9 else "")
+        raise ConfigError(f"the corpus ({len(texts)} texts, {characters} characters) gives only {learned} "
                           f"new tokens that occur >= {min_frequency} times, fewer than half of the {requested} asked "
-                          f"for. Give more text (a few MB for thousands of tokens) or ask for at most {learned} new tokens.")
+                          f"for.{why} Give more text (a few MB for thousands of tokens) or ask for at most {learned} new "
+                          f"tokens.")
 
 
 def _write_byte_bpe(base, base_dir: Path, folder: Path, pairs: list[tuple[str, str]]) -> int:

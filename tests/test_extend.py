@@ -105,6 +105,9 @@ def test_refusals_before_any_work(byte_level_base, sentencepiece_base, tmp_path)
     # a corpus too small for the pieces asked for, on both paths
     with pytest.raises(ConfigError, match="fewer than half"):
         extend.extend_tokenizer(byte_level_base, corpora.chinese(limit=20), tmp_path / "out", 2000)
+    # English alone: no ASCII merge is learned, and the refusal says so (it said "0 new tokens" and no more)
+    with pytest.raises(ConfigError, match=r"gives only 0 new tokens.*100% ASCII.*merges whose token holds a non-ASCII"):
+        extend.extend_tokenizer(byte_level_base, corpora.english()[:200], tmp_path / "out", 100)
     with pytest.raises(ConfigError, match="at least"):
         extend.extend_tokenizer(sentencepiece_base, corpora.chinese(limit=2000), tmp_path / "out", 100)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
