@@ -99,6 +99,8 @@ def test_adapters_start_as_the_base_and_train_as_peft_does_at_every_tp_layout(ba
                run(base, conversations, parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))]
     for layout, other in zip(layouts, run_scenario.layouts(layouts, 2)):
         assert other["losses"] == pytest.approx(reference["losses"], abs=1e-5), layout.parallel
+        # the model's count, not one rank's (rank 0's was 13,200 of 18,336 at TP=2)
+        assert other["trainable_parameters"] == reference["trainable"], layout.parallel
 
 
 def test_adapters_train_under_full_recompute(base, conversations, tmp_path):

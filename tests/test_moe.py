@@ -46,6 +46,8 @@ def test_expert_parallel_layouts_match_one_process_with_both_dispatchers(run_sce
     for (dispatcher, layout), run in runs.items():
         ref = reference[DISPATCHERS.index(dispatcher)]
         assert _max_diff(run["losses"], ref["losses"]) <= 1e-4, (dispatcher, layout)
+        # the model's parameters, counted once over TP, EP and expert-TP shards (one rank's count before)
+        assert run["trainable_parameters"] == ref["trainable_parameters"], (dispatcher, layout)
         # the router sees the same tokens and weights, so every expert gets the same share at every step
         loads = [step["expert_load"] for step in run["router"]]
         ref_loads = [step["expert_load"] for step in ref["router"]]
