@@ -66,8 +66,9 @@ class MegatronLM(TemplateLM):
                               "(--model_args ckpt=... from a shell).")
         unused = {k: v for k, v in unused.items() if k not in HARNESS_SUPPLIED}
         if unused:
-            raise ConfigError(f"MegatronLM does not take {sorted(unused)}; it takes ckpt, tensor_parallel_size, "
-                              f"pipeline_parallel_size, sequence_parallel, batch_size, dtype, run_dir.")
+            raise ConfigError(f"MegatronLM does not take {sorted(unused)}; it takes ckpt (or pretrained), "
+                              f"tensor_parallel_size, pipeline_parallel_size, sequence_parallel, batch_size, dtype, "
+                              f"run_dir, show_progress.")
         self.ckpt = resolve_checkpoint(path)
         self.tokenizer = evaluate.tokenizer(self.ckpt)
         self.max_length = evaluate.max_length(self.ckpt)
@@ -264,16 +265,53 @@ def _quiet() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The harness's command line, with "pai-megatron" registered (`python -m pai_cookbook.harness --help`)."""
+USAGE = f"""python -m pai_cookbook.harness: lm-evaluation-harness's command line with the model "{NAME}" registered.
+
+    python -m pai_cookbook.harness --model {NAME} --model_args ckpt=CKPT[,KEY=VALUE...] --tasks TASKS [harness options]
+
+{NAME} takes in --model_args: ckpt (a cookbook checkpoint, or a training save folder: its latest iteration),
+tensor_parallel_size, pipeline_parallel_size, sequence_parallel, batch_size (sequences per forward pass), dtype
+(fp32, bf16), run_dir (the launches' logs), show_progress. The harness's own options: python -m lm_eval --help."""
+
+
+def _model_args(argv: list[str]) -> list[str]:
+    """`ckpt=` named as the harness names a model (`pretrained=`, which MegatronLM takes too), so its results record the
+    checkpoint and --output_path files go to a folder named after it."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith("--model_args="):
+            out[i] = "--model_args=" + _named(arg.split("=", 1)[1])
+        elif arg == "--model_args" and i + 1 < len(out):
+            out[i + 1] = _named(out[i + 1])
+    return out
+
+
+def _named(model_args: str) -> str:
+    parts = model_args.split(",")
+    if any(p.startswith("pretrained=") for p in parts):
+        return model_args
+    return ",".join("pretrained=" + p[len("ckpt="):] if p.startswith("ckpt=") else p for p in parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The harness's command line, with "pai-megatron" registered (`python -m pai_cookbook.harness --help`); bad input
+    for the model (a key it does not take, a layout the checkpoint cannot load at) is one line and exit 2."""
     import sys
 
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    sys.argv = [sys.argv[0], *_model_args(argv)]
+    try:
+        cli_evaluate()
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

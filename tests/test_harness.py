@@ -110,6 +110,17 @@ def test_the_shell_command_finds_the_model_by_name(setup, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     written = list(out.rglob("results*.json"))
     assert written and "mmlu_sample" in json.loads(written[0].read_text())["results"]
+    # the results name the checkpoint, and sit in a folder named after it (a random name and folder with ckpt=)
+    assert json.loads(written[0].read_text())["model_name"] == str(ckpt)
+    assert written[0].parent.name.endswith(ckpt.name), written[0]
+    # bad input is one line and exit 2: no arguments (what pai-megatron takes), a key it does not take
+    bare = subprocess.run([sys.executable, "-m", "pai_cookbook.harness"], capture_output=True, text=True, timeout=600)
+    assert bare.returncode == 2 and "pai-megatron takes in --model_args: ckpt" in bare.stderr
+    bad = subprocess.run([sys.executable, "-m", "pai_cookbook.harness", "--model", "pai-megatron", "--model_args",
+                          f"ckpt={ckpt},temprature=0", "--tasks", "mmlu_sample", "--include_path", str(tasks)],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: MegatronLM does not take ['temprature']; it takes ckpt")
 
 
 @pytest.mark.multiproc

@@ -88,6 +88,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def working_tps(m: ModelConfig) -> list[int]:
+    """The tensor-parallel sizes the model's shape takes: each divides the heads, the KV groups, the MLP's width (and a
+    latent attention's latents), so a refusal names only sizes that pass every one of these checks."""
+    sizes = [m.num_attention_heads, m.query_groups, m.ffn_hidden_size]
+    if m.multi_latent_attention:
+        sizes += [m.kv_lora_rank + m.qk_pos_emb_head_dim] + ([m.q_lora_rank] if m.q_lora_rank else [])
+    return [t for t in divisors(m.num_attention_heads) if all(s % t == 0 for s in sizes)]
+
+
 def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None, *, purpose: Purpose = "train",
           device: Any = None) -> int:
     """Refuse a layout that does not fit `model` on `world` processes of `device` for `purpose`.
@@ -109,11 +118,12 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
     require(m.num_attention_heads % tp == 0,
              f"num_attention_heads {m.num_attention_heads} is not divisible by TP={tp}: TP={tp} must divide the "
              f"{m.num_attention_heads} attention heads (each TP rank needs whole heads). Use TP in "
-             f"{divisors(m.num_attention_heads)}.")
+             f"{working_tps(m)}.")
     require(m.query_groups % tp == 0,
              f"num_query_groups {m.query_groups} is not divisible by TP={tp}: TP={tp} must divide the "
-             f"{m.query_groups} KV groups (each TP rank needs whole KV heads). Use TP in {divisors(m.query_groups)}.")
-    require(m.ffn_hidden_size % tp == 0, f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP={tp}.")
+             f"{m.query_groups} KV groups (each TP rank needs whole KV heads). Use TP in {working_tps(m)}.")
+    require(m.ffn_hidden_size % tp == 0, f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP={tp}. Use TP in "
+                                         f"{working_tps(m)}.")
     if m.multi_latent_attention:
         _check_latent_attention(m, tp)
     stages = pp * (vpp or 1)
@@ -158,9 +168,9 @@ def _check_latent_attention(m: ModelConfig, tp: int) -> None:
     kv = m.kv_lora_rank + m.qk_pos_emb_head_dim
     require(m.q_lora_rank is None or m.q_lora_rank % tp == 0,
              f"q_lora_rank {m.q_lora_rank} is not divisible by TP={tp} (the query latent is split over TP ranks). Use "
-             f"TP in {divisors(m.q_lora_rank or 1)}.")
+             f"TP in {working_tps(m)}.")
     require(kv % tp == 0, f"kv_lora_rank + qk_pos_emb_head_dim = {kv} is not divisible by TP={tp} (the key/value latent "
-                          f"is split over TP ranks). Use TP in {divisors(kv)}.")
+                          f"is split over TP ranks). Use TP in {working_tps(m)}.")
 
 
 def _check_inference(p: ParallelConfig) -> None:
