@@ -34,11 +34,11 @@ TINY: dict[str, dict] = {
                                  "EVAL_INTERVAL": 25},
     "07_inference": {"REAL_MODEL": False, "TP_SIZE": 2, "MAX_NEW_TOKENS": 32},
     "10_lora": {"REAL_MODEL": False, "TRAIN_ITERS": 30, "LORA_LR": 1e-2, "FULL_LR": 3e-3},
-    "11_evaluate": {"REAL_MODEL": False, "FINETUNED": {}, "MMLU_PER_SUBJECT": 1, "CLOZE_ITEMS": 24, "TEXTS": 12,
+    "11_evaluate": {"REAL_MODEL": False, "MMLU_PER_SUBJECT": 1, "CLOZE_ITEMS": 24, "TEXTS": 12,
                     "TENSOR_PARALLEL": 2},
     "12_preference_tuning": {"REAL_MODEL": False, "PAIRS": 128, "STEPS": 16, "LR": 1e-3, "VARIANTS": ["DPO", "SimPO"],
                              "JUDGED": [], "HELD_OUT": 32, "SFT_STEPS": 10, "SFT_LR": 3e-3,
-                             "DPO_LR": 1e-4},
+                             "DPO_LR": 1e-4, "COMPARE_RATES": True},
 }
 
 
