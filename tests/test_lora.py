@@ -203,3 +203,25 @@ def test_adapters_the_model_has_no_place_for_are_refused_before_launch(base, con
         RunConfig(model=latent, lora=LoRAConfig(targets=["linear_qkv"]),
                   checkpoint=CheckpointConfig(load_dir=str(base)))
     RunConfig(model=latent, lora=LoRAConfig(), checkpoint=CheckpointConfig(load_dir=str(base)))  # its other targets
+
+
+def test_a_frozen_moe_base_stays_frozen(conversations, tmp_path):
+    """DeepSeek-V3's router bias is updated by Megatron-Core from the routed tokens, no gradient step; under LoRA it
+    stays the base's (the adapter checkpoint holds no bias, so a moved one would leave the merged model another than
+    the run's). At a learning rate of 1e-30 the adapters stay zero to fp32 rounding, so the model is the base and its
+    validation loss ends where it started. The bias update runs at 0.1 here: the converter's 1e-3 moves a tiny router's
+    bias too little to flip a choice in three steps; at 0.1 the loss moved 8.9e-4 on the old code)."""
+    from pai_cookbook import convert
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
+
+    base = tmp_path / "mcore"
+    convert.hf_to_megatron(make_tiny_hf_model("deepseek_v3", tmp_path / "hf"), base, run_dir=tmp_path / "convert")
+    model, _ = checkpoint.read_config(base)
+    assert model.moe_router_enable_expert_bias
+    config = dataclasses.replace(
+        run(base, conversations, lora=LoRAConfig(rank=4, alpha=8.0, targets=("linear_proj",)), steps=3),
+        model=dataclasses.replace(model, moe_router_bias_update_rate=0.1), eval_interval=3, eval_iters=1,
+        optimizer=OptimizerConfig(lr=1e-30, min_lr=1e-30, lr_warmup_iters=0))
+    result = train.run(config, run_dir=tmp_path / "run", **QUIET)
+    (_, before), (_, after) = result["valid_losses"][0], result["valid_losses"][-1]
+    assert abs(after - before) <= 1e-7, (before, after)

@@ -123,6 +123,10 @@ def build(config: RunConfig, device: DeviceInfo, head: str = "lm"):
     if config.lora is not None:  # the base first, then the adapters beside its frozen weights: only they train
         checkpoint.load(chunks, config.checkpoint.load_dir)
         lora.add_adapters(chunks, config.lora, config.seed)
+        # A frozen base stays frozen: DeepSeek-V3's router bias (Megatron-Core's expert-bias update, which is no
+        # gradient step) would move with the routed tokens, and the adapter checkpoint holds no bias to merge.
+        for chunk in chunks:
+            chunk.config.moe_router_bias_update_rate = 0.0
     tconfig = chunks[0].config
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=opt.use_distributed_optimizer)
