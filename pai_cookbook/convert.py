@@ -192,9 +192,10 @@ def reshard(ckpt: str | Path, out: str | Path, parallel: ParallelConfig, *, over
     layout.check(model, parallel, purpose="load")
     checkpoint.check_writable(out, overwrite)
     job = ConvertJob(direction="reshard", src=str(Path(ckpt).resolve()), dst=str(Path(out).resolve()), parallel=parallel)
-    result = launch.launch(job, nproc_per_node=job.processes(),
-                           run_dir=run_dir or Path(out).with_name(Path(out).name + ".logs"), echo=False,
-                           show_progress=False)
+    with checkpoint.worker_writes(out):
+        result = launch.launch(job, nproc_per_node=job.processes(),
+                               run_dir=run_dir or Path(out).with_name(Path(out).name + ".logs"), echo=False,
+                               show_progress=False)
     return {k: v for k, v in result.items() if k != "events"}
 
 

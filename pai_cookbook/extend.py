@@ -101,7 +101,8 @@ def extend_tokenizer(base_dir: str | Path, texts: list[str], out: str | Path, ne
     kind = vocabulary.kind(base_dir)
     checkpoint.check_writable(out, overwrite)
     base = tokenizer.load(base_dir)
-    with checkpoint.writing(out, overwrite) as partial:
+    with checkpoint.writing(out, overwrite) as partial, checkpoint.full_disk_said(
+            partial, then=f"nothing of {Path(out).name} was kept; run it again where there is room", catch=OSError):
         if kind == "byte_bpe":
             first, learned, dropped, intermediate = _extend_byte_bpe(base, base_dir, partial, texts, new_tokens,
                                                                      min_frequency)
@@ -311,7 +312,8 @@ def grow(ckpt: str | Path, tokenizer_dir: str | Path, out: str | Path, *, init: 
         (staged / "config.json").write_text(json.dumps(config, indent=2))
     job = GrowJob(src=str(Path(ckpt).resolve()), dst=str(out.resolve()), assets=str(staged.resolve()),
                   vocab_size=extension.size, sources=extension.sources, init=init, seed=seed)
-    result = launch.launch(job, run_dir=run_dir, echo=False, show_progress=False)
+    with checkpoint.worker_writes(out):
+        result = launch.launch(job, run_dir=run_dir, echo=False, show_progress=False)
     return {k: v for k, v in result.items() if k != "events"}
 
 

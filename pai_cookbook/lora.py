@@ -51,8 +51,9 @@ def merge(adapters: str | Path, out: str | Path, parallel: ParallelConfig | None
     layout.check(model, parallel, purpose="load")
     checkpoint.check_writable(out, overwrite)
     job = ConvertJob(direction="lora_merge", src=str(folder.resolve()), dst=str(Path(out).resolve()), parallel=parallel)
-    result = launch.launch(job, nproc_per_node=job.processes(), echo=False, show_progress=False,
-                           run_dir=run_dir or Path(out).with_name(Path(out).name + ".logs"))
+    with checkpoint.worker_writes(out):
+        result = launch.launch(job, nproc_per_node=job.processes(), echo=False, show_progress=False,
+                               run_dir=run_dir or Path(out).with_name(Path(out).name + ".logs"))
     return {k: v for k, v in result.items() if k != "events"}
 
 

@@ -172,8 +172,9 @@ def upcycle(dense_ckpt: str | Path, out: str | Path, *, num_experts: int, topk: 
     checkpoint.check_writable(out, overwrite)
     job = UpcycleJob(src=str(Path(dense_ckpt).resolve()), out=str(Path(out).resolve()), model=moe, parallel=parallel,
                      seed=seed)
-    launch.launch(job, nproc_per_node=layout.world_size(parallel),
-                  run_dir=run_dir or Path(out).with_name(Path(out).name + ".logs"), echo=False, show_progress=False)
+    with checkpoint.worker_writes(out):
+        launch.launch(job, nproc_per_node=layout.world_size(parallel),
+                      run_dir=run_dir or Path(out).with_name(Path(out).name + ".logs"), echo=False, show_progress=False)
     return {"model": dataclasses.asdict(moe), "checkpoint": str(out)}
 
 

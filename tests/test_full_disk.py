@@ -69,3 +69,23 @@ def test_an_sft_set_on_a_full_disk_is_said_so_and_nothing_is_kept(small_disk):
     with pytest.raises(OSError, match=FULL.format(where="set.partial") + "nothing was kept; give another out_dir"):
         sft.prepare([{"messages": CHAT}] * 64, disk / "set", smollm2.hf_folder(), seq_length=64, template="chatml")
     assert sorted(p.name for p in disk.iterdir() if not p.name.startswith(".")) == []
+
+
+def test_every_checkpoint_writer_says_the_disk_is_full_and_leaves_nothing(converted, small_disk):
+    """Resharding and upcycling (their workers save through `checkpoint.save`) and extending a tokenizer: on a full disk
+    the disk is named as full with what a re-run does, not as a crash "a re-run resumes from", and no `.partial` is left
+    on it (each ended as a WorkerError advising a resume, `.partial` left behind; extending raised a bare OSError)."""
+    from pai_cookbook import corpora, extend, moe
+    from pai_cookbook.core.configs.config import ParallelConfig
+    from pai_cookbook.fixtures import smollm2
+
+    _, ckpt, _ = converted["llama"]
+    disk = small_disk("64k")
+    writers = {"resharded": lambda out: convert.reshard(ckpt, out, ParallelConfig(), run_dir=disk.parent / "r1"),
+               "upcycled": lambda out: moe.upcycle(ckpt, out, num_experts=2, run_dir=disk.parent / "r2"),
+               "extended": lambda out: extend.extend_tokenizer(smollm2.hf_folder(), corpora.chinese(limit=400), out, 50)}
+    for name, write in writers.items():
+        then = "was kept" if name == "extended" else "is left half-written"
+        with pytest.raises(OSError, match=FULL.format(where=f"{name}(.partial)?") + f"nothing of {name} {then}"):
+            write(disk / name)
+        assert sorted(p.name for p in disk.iterdir() if not p.name.startswith(".")) == [], name

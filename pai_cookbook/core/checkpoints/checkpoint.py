@@ -101,6 +101,26 @@ def writing(out: str | Path, overwrite: bool) -> Iterator[Path]:
         publish(partial, out)
 
 
+@contextlib.contextmanager
+def worker_writes(out: str | Path) -> Iterator[None]:
+    """Around a launch whose worker writes the checkpoint `out` (through `save`: into `<out>.partial`, renamed into
+    place last): a worker that failed where that disk is full is said to have (`disk_full`, naming the folder), not
+    as a crash a re-run resumes from, and the unfinished `.partial` it left is removed (never loadable, and it holds
+    the disk); any other failure goes on as it was, its `.partial` removed too."""
+    from pai_cookbook.core.launching.failures import WorkerError
+
+    partial = partial_dir(out)
+    try:
+        with full_disk_said(partial, out, then=f"nothing of {Path(out).name} is left half-written; run it again "
+                                                 f"where there is room", catch=WorkerError):
+            yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
 def publish(partial: Path, out: str | Path) -> Path:
     """Move a complete `.partial` folder into place: the last step of every writer."""
     out = Path(out)
