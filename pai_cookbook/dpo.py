@@ -196,7 +196,9 @@ def job_for(policy: str | Path, prepared: str | Path, config: DPOConfig, *, lora
     run = RunConfig.from_checkpoint(
         policy, parallel=parallel, save_dir=save_dir, overwrite=overwrite, train_iters=config.steps, seed=config.seed,
         lora=lora, optimizer=OptimizerConfig(lr=config.lr, lr_warmup_iters=config.warmup_steps,
-                                             weight_decay=config.weight_decay, clip_grad=config.clip_grad, **decay),
+                                             weight_decay=config.weight_decay, clip_grad=config.clip_grad,
+                                             adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,
+                                             adam_eps=config.adam_eps, **decay),
         data=DataConfig(seq_length=content["longest"], micro_batch_size=config.micro_batch_size,
                         global_batch_size=config.global_batch_size))
     eos = tokenizers.eos_ids(policy / checkpoint.HF_ASSETS, checkpoint.load_tokenizer(policy))

@@ -205,3 +205,12 @@ def test_refused_before_launch(start, prepared, others, tmp_path, no_launch):
         dpo.train(start / "start", tmp_path, dpo.DPOConfig(steps=1))
     with pytest.raises(ConfigError, match="label_smoothing"):
         dpo.DPOConfig(loss="ipo", label_smoothing=0.1)
+
+
+def test_adam_is_set_from_the_config(start, prepared):
+    """Adam's betas and eps reach the run (TRL and torch default to beta2 0.999, the cookbook to Megatron-LM's 0.95);
+    `hf_baseline.trl_dpo` hands TRL the same three, so the TRL comparison runs with whichever is set."""
+    job = dpo.job_for(start / "start", prepared, dpo.DPOConfig(steps=1, adam_beta1=0.8, adam_beta2=0.999, adam_eps=1e-6))
+    assert (job.run.optimizer.adam_beta1, job.run.optimizer.adam_beta2, job.run.optimizer.adam_eps) == (0.8, 0.999, 1e-6)
+    default = dpo.job_for(start / "start", prepared, dpo.DPOConfig(steps=1)).run.optimizer
+    assert (default.adam_beta1, default.adam_beta2, default.adam_eps) == (0.9, 0.95, 1e-8)

@@ -86,6 +86,10 @@ class DPOConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    """Adam's second-moment decay: the cookbook's training default (Megatron-LM's); TRL and torch default to 0.999."""
+    adam_eps: float = 1e-8
     global_batch_size: int = 16
     """Pairs per optimizer step (over all data-parallel ranks)."""
     micro_batch_size: int = 4
