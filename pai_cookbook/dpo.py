@@ -214,8 +214,10 @@ def train(policy: str | Path, prepared: str | Path, config: DPOConfig | None = N
     """Tune `policy` on a prepared preference set under torchrun.
 
     Returns rank 0's result: {"steps": per step loss, accuracy, margin, chosen_reward, rejected_reward, chosen_logp,
-    rejected_logp (the policy's, summed over the answer), grad_norm, lr; "valid": the same figures on the held-out
-    pairs before the first step, every `eval_interval` steps and after the last, each with its "step"; "checkpoint"}.
+    rejected_logp (the policy's, summed over the answer's tokens, for SimPO too, whose loss takes their mean), grad_norm,
+    lr; "valid": the same figures on the held-out pairs before the first step, every `eval_interval` steps and after
+    the last, each with its "step" and "pairs" (how many were scored: whole micro-batches on every data-parallel rank;
+    those left over are said before launch); "checkpoint"}.
     run_dir/metrics.jsonl has the per-step figures (`rlhf.history` reads it).
     """
     from pai_cookbook import train as training

@@ -214,3 +214,18 @@ def test_adam_is_set_from_the_config(start, prepared):
     assert (job.run.optimizer.adam_beta1, job.run.optimizer.adam_beta2, job.run.optimizer.adam_eps) == (0.8, 0.999, 1e-6)
     default = dpo.job_for(start / "start", prepared, dpo.DPOConfig(steps=1)).run.optimizer
     assert (default.adam_beta1, default.adam_beta2, default.adam_eps) == (0.9, 0.95, 1e-8)
+
+
+def test_held_out_pairs_left_over_are_said(capsys):
+    """Held-out pairs run in whole micro-batches on every data-parallel rank; those left over are said before launch
+    (they were dropped without a word), and a set that fills none is refused."""
+    from pai_cookbook.core.launching.jobs import check_held_out_pairs
+    from tests.conftest import tiny_run
+
+    check_held_out_pairs(10, 4, tiny_run(), world_size=1)
+    assert "8 of 10 are scored (whole micro-batches of 4 pairs on each of 1 data-parallel ranks); the last 2 are not" \
+        in capsys.readouterr().out
+    check_held_out_pairs(16, 4, tiny_run(), world_size=2)  # 2 ranks x 4: all of them
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ConfigError, match="3 held-out pairs fill no micro-batch"):
+        check_held_out_pairs(3, 4, tiny_run(), world_size=1)

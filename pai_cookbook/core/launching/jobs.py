@@ -194,6 +194,10 @@ def check_held_out_pairs(count: int, micro_batch_size: int, run: RunConfig, worl
         raise ConfigError(f"{count} held-out pairs fill no micro-batch of {micro_batch_size} pairs on each of the "
                           f"{whole // micro_batch_size} data-parallel ranks, so none would be scored; give at least "
                           f"{whole} (a multiple of {whole} scores them all).")
+    if count % whole:  # said, not dropped silently: the held-out figures are over the pairs that fill micro-batches
+        print(f"held-out pairs: {count - count % whole} of {count} are scored (whole micro-batches of {micro_batch_size} "
+              f"pairs on each of {whole // micro_batch_size} data-parallel ranks); the last {count % whole} are not. "
+              f"Hold out a multiple of {whole} to score them all.")
 
 
 @dataclass(kw_only=True)
