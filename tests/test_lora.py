@@ -225,3 +225,22 @@ def test_a_frozen_moe_base_stays_frozen(conversations, tmp_path):
     result = train.run(config, run_dir=tmp_path / "run", **QUIET)
     (_, before), (_, after) = result["valid_losses"][0], result["valid_losses"][-1]
     assert abs(after - before) <= 1e-7, (before, after)
+
+
+def test_a_base_written_again_in_place_is_another_base(conversations, tmp_path):
+    """A base re-converted in place from other weights of the same shape (same folder, same config, same file sizes)
+    is another checkpoint: merging or resuming the adapters trained on the old one is refused (it merged them onto
+    weights they were never trained on, without a word)."""
+    from pai_cookbook import convert, lora
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
+
+    hf, base, save = tmp_path / "hf", tmp_path / "mcore", tmp_path / "adapters"
+    convert.hf_to_megatron(make_tiny_hf_model("llama", hf, seed=0), base, run_dir=tmp_path / "c0")
+    config = run(base, conversations, save_dir=save, steps=3)
+    train.run(config, run_dir=tmp_path / "run", **QUIET)
+    make_tiny_hf_model("llama", hf, seed=1)  # other weights, the same shape, the same folder
+    convert.hf_to_megatron(hf, base, overwrite=True, run_dir=tmp_path / "c1")
+    with pytest.raises(ConfigError, match="another checkpoint now: put that base back"):
+        lora.merge(save, tmp_path / "merged")
+    with pytest.raises(ConfigError, match="its adapters were trained on"):
+        train.run(dataclasses.replace(config, train_iters=5), run_dir=tmp_path / "more", **QUIET)

@@ -131,8 +131,14 @@ def publish(partial: Path, out: str | Path) -> Path:
 
 
 def write_config(folder: Path, model: ModelConfig, dtype: torch.dtype, **provenance: Any) -> None:
+    """The checkpoint's description, with a name of this write (`written`, random): every writer writes it, so a
+    checkpoint written again in place (re-converted from other weights of the same shape) has another
+    `checkpoint_config.identity`, and adapters trained on the old one are refused on it."""
+    import uuid
+
     (folder / CONFIG_FILE).write_text(json.dumps(
-        {"model": asdict(model), "dtype": DTYPE_NAMES[dtype], "format": "torch_dist"} | provenance, indent=2))
+        {"model": asdict(model), "dtype": DTYPE_NAMES[dtype], "format": "torch_dist", "written": uuid.uuid4().hex}
+        | provenance, indent=2))
 
 
 def copy_assets(src: Path, dst: Path) -> list[str]:

@@ -79,10 +79,12 @@ def description(ckpt: str | Path) -> dict[str, Any]:
 
 
 def identity(ckpt: str | Path) -> str:
-    """A short name for a checkpoint's contents: a hash of its description and of every file's name and size. Two
-    checkpoints written apart differ in it; it reads no tensor (a 70B checkpoint is named in milliseconds), so it tells
-    another checkpoint from this one, not a flipped bit in a shard. An adapter checkpoint keeps its base's identity
-    (`core.modeling.lora`), and a resume or a merge on another base is refused by it."""
+    """A short name for a checkpoint's contents: a hash of its description (which names the write that made it: every
+    writer gives it a random `written`) and of every file's name and size. Two checkpoints written apart differ in it,
+    a base re-converted in place from other weights of the same shape included; it reads no tensor (a 70B checkpoint
+    is named in milliseconds), so it tells another checkpoint from this one, not a flipped bit in a shard. An adapter
+    checkpoint keeps its base's identity (`core.modeling.lora`), and a resume or a merge on another base is refused by
+    it."""
     import hashlib
 
     folder = Path(ckpt)
