@@ -38,7 +38,8 @@ TINY: dict[str, dict] = {
                     "TENSOR_PARALLEL": 2},
     "12_preference_tuning": {"REAL_MODEL": False, "PAIRS": 128, "STEPS": 16, "LR": 1e-3, "VARIANTS": ["DPO", "SimPO"],
                              "JUDGED": [], "HELD_OUT": 32, "SFT_STEPS": 10, "SFT_LR": 3e-3,
-                             "DPO_LR": 1e-4, "COMPARE_RATES": True},
+                             "DPO_LR": 1e-4, "COMPARE_RATES": True,
+                             "PAIRS_PER_STEP": 16},
 }
 
 

@@ -100,6 +100,24 @@ class MegatronLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         return evaluate.encode(self.tokenizer, string, add_special_tokens)
 
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt through the checkpoint tokenizer's chat template (`--apply_chat_template`), rendered as the
+        harness's Hugging Face model renders it: text, then encoded as any prompt is; a template that refuses a system
+        role is given the history without it, as that model does."""
+        import jinja2
+
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"{self.ckpt}'s tokenizer has no chat template, so --apply_chat_template has nothing to "
+                              f"apply; leave it out, or give the checkpoint a tokenizer with one ({checkpoint.HF_ASSETS}/).")
+
+        def render(history: list[dict[str, str]]) -> str:
+            return self.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt)
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            return render([message for message in chat_history if message["role"] != "system"])
+
     def _launch_dir(self, kind: str) -> Path:
         return self.run_dir / f"{next(self._count):03d}_{kind}"
 
@@ -197,9 +215,10 @@ def local_tasks(folder: str | Path, tasks: dict[str, tuple[str, list[dict[str, A
 
 
 def run(lm: Any, tasks: list[str], *, include_path: str | Path | None = None, limit: int | None = None,
-        num_fewshot: int | None = None) -> dict[str, Any]:
+        num_fewshot: int | None = None, apply_chat_template: bool = False) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` of `lm` on `tasks` (names the harness knows, or defined in `include_path`), the
-    per-sample results kept (`log_samples`), no bootstrap of standard errors.
+    per-sample results kept (`log_samples`), no bootstrap of standard errors; `apply_chat_template` renders each prompt
+    through the model's chat template (the harness's `--apply_chat_template`).
 
     Raises:
         ConfigError: a task name the harness does not know, or a task it cannot load (its data on a hub this machine
@@ -218,7 +237,8 @@ def run(lm: Any, tasks: list[str], *, include_path: str | Path | None = None, li
     try:
         with _quiet():
             return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                   num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=True)
+                                   num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=True,
+                                   apply_chat_template=apply_chat_template)
     except Exception as err:
         if len(getattr(lm, "launches", [])) > before:  # the model ran: not a loading problem
             raise

@@ -4,6 +4,7 @@ Face PEFT adapter (`export_peft`). Training with adapters is `train.run` with `R
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,32 @@ def merge(adapters: str | Path, out: str | Path, parallel: ParallelConfig | None
     return {k: v for k, v in result.items() if k != "events"}
 
 
-def export_peft(adapters: str | Path, out: str | Path, *, overwrite: bool = False,
+def export_peft(adapters: str | Path, out: str | Path, *, base_model: str | Path | None = None, overwrite: bool = False,
                 run_dir: str | Path | None = None) -> dict[str, Any]:
     """The adapters as a Hugging Face PEFT adapter folder (adapter_model.safetensors, adapter_config.json) that
-    `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<the base's export>), out)` loads; the folder
-    appears only when complete."""
-    folder, _ = adapter_folder(adapters)
+    `peft.AutoPeftModelForCausalLM.from_pretrained(out)` loads, or `peft.PeftModel.from_pretrained(<the base as a
+    transformers model>, out)`; the folder appears only when complete.
+
+    Args:
+        base_model: the Hugging Face model the adapter applies to (a folder or a hub name), written as
+            `base_model_name_or_path`; default the folder the base was converted from, where it still holds a
+            config.json.
+    Raises:
+        ConfigError: no base_model given and none found: a base trained by the cookbook, or its source gone. Export it
+            (`convert.megatron_to_hf(base, folder)`) and pass that folder.
+    """
+    folder, base = adapter_folder(adapters)
+    source = checkpoint_config.description(base).get("source")
+    if base_model is None and source and (Path(source) / "config.json").exists():
+        base_model = source
+    if base_model is None:
+        raise ConfigError(f"the adapters' base {base} names no Hugging Face folder it came from that still exists "
+                          f"(source: {source}), so the adapter could not say what it applies to; export the base "
+                          f"(convert.megatron_to_hf({str(base)!r}, folder)) and pass base_model=folder, or a hub name.")
     job = ConvertJob(direction="lora_peft", src=str(folder.resolve()), dst="")
-    return _write(job, Path(out), overwrite, run_dir, None)
+
+    def name_the_base(partial: Path) -> None:
+        path = partial / "adapter_config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"base_model_name_or_path": str(base_model)},
+                                   indent=2))
+    return _write(job, Path(out), overwrite, run_dir, None, finish=name_the_base)

@@ -189,6 +189,12 @@ def test_merged_and_peft_exported_adapters_compute_what_the_cookbook_trained(bas
     unadapted = hf_logits(base_hf, tokens)
     assert (through_peft - reference).abs().max() <= 1e-5
     assert (unadapted - reference).abs().max() > 1e-3  # the adapters changed the model: the check above could fail
+    # the adapter names a loadable base (the Hugging Face folder the base was converted from; it named the Megatron-Core
+    # checkpoint, so AutoPeftModelForCausalLM failed), and loads whole from its folder alone
+    assert peft.PeftConfig.from_pretrained(tmp_path / "peft").base_model_name_or_path == str(base.parent / "hf")
+    alone = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "peft", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (alone(tokens).logits.float() - through_peft).abs().max() <= 1e-6
 
 
 def test_adapters_the_model_has_no_place_for_are_refused_before_launch(base, conversations):
