@@ -32,11 +32,12 @@ def _shown(value) -> str | None:
 
 
 def render(summary: dict, date: str, machine: str, remark: str = "") -> str:
+    tiny = any(name.endswith("(tiny)") for name in summary)
     lines = ["# What the notebooks printed: the last full run", "",
-             f"Made by `ci/notebook_figures.py` from `outputs/summary.json` of a run of every notebook with its default "
-             f"parameters, and of the notebooks CI runs on tiny models with those parameters (\"(tiny)\": "
-             f"`ci/run_notebooks.py --tiny`) ({date}; {machine}). Every figure is one the notebook's run saved in its "
-             f"`metrics.json`."
+             "Made by `ci/notebook_figures.py` from `outputs/summary.json` of a run of every notebook with its default "
+             "parameters" + (", and of the notebooks CI runs on tiny models with those parameters (\"(tiny)\": "
+                              "`ci/run_notebooks.py --tiny`)" if tiny else "")
+             + f" ({date}; {machine}). Every figure is one the notebook's run saved in its `metrics.json`."
              + (f" {remark}" if remark else ""), "",
              "| notebook | minutes |", "|---|---|"]
     lines += [f"| {name} | {entry['minutes']:.1f} |" for name, entry in summary.items()]
