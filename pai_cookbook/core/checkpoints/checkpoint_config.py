@@ -56,9 +56,9 @@ def resolve(ckpt: str | Path) -> Path:
                  f"{'are' if len(unfinished) > 1 else 'is'} unfinished)" if unfinished else "it holds no iter_* folder")
     else:
         found = "it is a file"
-    raise FileNotFoundError(f"{ckpt} has no {CONFIG_FILE} and is not a training save folder with a finished "
-                            f"{ITER_PREFIX}* checkpoint ({found}): give a checkpoint written by the cookbook "
-                            f"(convert.hf_to_megatron writes one) or the save_dir of a finished train.run.")
+    raise FileNotFoundError(f"{ckpt} has no {CONFIG_FILE}: not a checkpoint written by the cookbook, nor a training "
+                            f"save folder with a finished {ITER_PREFIX}* checkpoint ({found}). Give a checkpoint that "
+                            f"convert.hf_to_megatron wrote, or the save_dir of a finished train.run.")
 
 
 def read_config(ckpt: str | Path) -> tuple[ModelConfig, torch.dtype]:
