@@ -21,6 +21,7 @@ from pai_cookbook.core.configs.config import RunConfig
 from pai_cookbook.core.launching import worker
 from pai_cookbook.core.machine import runtime
 from pai_cookbook.core.machine.runtime import DeviceInfo
+from pai_cookbook.core.measures import parameters
 from pai_cookbook.core.measures.memory_probe import MemoryProbe
 from pai_cookbook.core.measures.router_stats import RouterStats
 from pai_cookbook.core.modeling import fp8, lora
@@ -349,33 +350,13 @@ def train(config: RunConfig, device: DeviceInfo, log_dir: str | Path | None = No
         "peak_flops": log.peak_flops, "datasheet_peak_flops": log.datasheet_flops,
         "world_size": torch.distributed.get_world_size(),
         # the model's parameters that train (every one, or with LoRA its adapters alone), counted once over the layout
-        "trainable_parameters": trainable_parameters(model),
+        "trainable_parameters": parameters.trainable(model),
         "device": device.name,
         "checkpoint": str(saved) if saved else None,
         # MoE: per step, each layer's expert shares, aux/z-losses and dropped tokens (moe.RouterStats)
         "router": [{k: h[k] for k in h if k not in _STEP_FIGURES} for h in history] if router else [],
         "memory": probe.gather() if probe else None,  # every rank's bytes held (core.measures.memory_probe)
     }
-
-
-def trainable_parameters(model: list[torch.nn.Module]) -> int:
-    """The model's parameters that train, each counted once whatever the layout: a tensor-parallel shard on every
-    rank of its group, a replicated tensor on the group's first rank, a pipeline stage's copy of the tied embedding
-    never (`shared`), and an expert's on the first rank of its expert-data-parallel group (the dense parameters on the
-    first data-parallel rank). Collective: every rank calls it. This rank's count alone was the model's at TP=1 only."""
-    from megatron.core import parallel_state as ps
-
-    dense = expert = 0
-    for p in (p for m in model for p in m.parameters() if p.requires_grad and not getattr(p, "shared", False)):
-        sharded = getattr(p, "tensor_model_parallel", False)
-        if not getattr(p, "allreduce", True):  # Megatron-Core's mark of an expert's parameter
-            expert += p.numel() if sharded or ps.get_expert_tensor_parallel_rank() == 0 else 0
-        elif sharded or ps.get_tensor_model_parallel_rank() == 0:
-            dense += p.numel()
-    counted = torch.tensor([dense * (ps.get_data_parallel_rank(with_context_parallel=True) == 0)
-                            + expert * (ps.get_expert_data_parallel_rank() == 0)], dtype=torch.float64)
-    torch.distributed.all_reduce(counted)
-    return int(counted.item())
 
 
 def _dataset_tokenizer(config: RunConfig) -> Path | None:

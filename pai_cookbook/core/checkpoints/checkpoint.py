@@ -13,7 +13,6 @@ mid-write leaves only the .partial folder, which no loader opens.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ from pai_cookbook.core.checkpoints.checkpoint_config import (  # noqa: F401
     read_config,
     resolve,
 )
+from pai_cookbook.core.checkpoints.full_disk import DISK_FULL_BYTES, disk_full, full_disk_said, worker_writes  # noqa: F401
 from pai_cookbook.core.configs.model_config import ModelConfig
 from pai_cookbook.core.modeling.lora import is_adapter_key
 from pai_cookbook.core.text import tokenizer
@@ -101,26 +101,6 @@ def writing(out: str | Path, overwrite: bool) -> Iterator[Path]:
         publish(partial, out)
 
 
-@contextlib.contextmanager
-def worker_writes(out: str | Path) -> Iterator[None]:
-    """Around a launch whose worker writes the checkpoint `out` (through `save`: into `<out>.partial`, renamed into
-    place last): a worker that failed where that disk is full is said to have (`disk_full`, naming the folder), not
-    as a crash a re-run resumes from, and the unfinished `.partial` it left is removed (never loadable, and it holds
-    the disk); any other failure goes on as it was, its `.partial` removed too."""
-    from pai_cookbook.core.launching.failures import WorkerError
-
-    partial = partial_dir(out)
-    try:
-        with full_disk_said(partial, out, then=f"nothing of {Path(out).name} is left half-written; run it again "
-                                                 f"where there is room", catch=WorkerError):
-            yield
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-
-
 def publish(partial: Path, out: str | Path) -> Path:
     """Move a complete `.partial` folder into place: the last step of every writer."""
     out = Path(out)
@@ -184,41 +164,6 @@ def _save_collective(tree: dict[str, Any], out: str | Path, model: ModelConfig, 
         publish(partial, out)
     torch.distributed.barrier()
     return Path(out)
-
-
-DISK_FULL_BYTES = 64 * 2**20
-"""Free space under which a failed save is taken for a full disk."""
-
-
-def disk_full(err: BaseException, folder: Path, then: str = "a re-run resumes from the last finished checkpoint"
-              ) -> BaseException:
-    """A save that failed on a full disk, said as such with the folder and `then` (what a re-run does): torch_dist's
-    writer reports one as "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598". Any other error is
-    returned as it is."""
-    where = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
-    free = shutil.disk_usage(where).free
-    if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or free < DISK_FULL_BYTES:
-        return OSError(errno.ENOSPC, f"No space left on device while saving {folder} ({free:,} bytes free there; "
-                                     f"{type(err).__name__}: {str(err)[:200]}). Free space or save elsewhere; {then}")
-    return err
-
-
-@contextlib.contextmanager
-def full_disk_said(*folders: str | Path, then: str = "a re-run resumes from the last finished checkpoint",
-                   catch: type[BaseException] = BaseException) -> Iterator[None]:
-    """Around a write: an error of type `catch` raised where the disk of one of `folders` is full becomes `disk_full`'s
-    OSError naming the first such folder (torch's CheckpointException is not an Exception, hence BaseException by
-    default); any other error, and an interrupt, goes on as it was."""
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except catch as err:
-        for folder in folders:
-            said = disk_full(err, Path(folder), then)
-            if said is not err:
-                raise said from err
-        raise
 
 
 def save(chunks: list[torch.nn.Module], out: str | Path, model: ModelConfig, dtype: torch.dtype, *,
