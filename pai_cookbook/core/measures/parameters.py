@@ -19,7 +19,8 @@ def trainable(model: list[torch.nn.Module]) -> int:
             expert += p.numel() if sharded or ps.get_expert_tensor_parallel_rank() == 0 else 0
         elif sharded or ps.get_tensor_model_parallel_rank() == 0:
             dense += p.numel()
+    device = next(p.device for m in model for p in m.parameters())  # NCCL reduces device tensors only
     counted = torch.tensor([dense * (ps.get_data_parallel_rank(with_context_parallel=True) == 0)
-                            + expert * (ps.get_expert_data_parallel_rank() == 0)], dtype=torch.float64)
+                            + expert * (ps.get_expert_data_parallel_rank() == 0)], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(counted)
     return int(counted.item())
