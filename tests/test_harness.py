@@ -97,9 +97,8 @@ def test_a_chat_model_equals_the_harness_hugging_face_model_through_its_template
                             include_path=tasks, apply_chat_template=True)
     lm = harness.MegatronLM(ckpt=ckpt, run_dir=tmp_path / "chat", show_progress=False)
     ours = harness.run(lm, ["mmlu_sample"], include_path=tasks, apply_chat_template=True)
-    prompt = ours["samples"]["mmlu_sample"][0]["arguments"]["gen_args_0"]["arg_0"]
-    assert prompt.startswith("<|im_start|>") and prompt == reference["samples"]["mmlu_sample"][0]["arguments"][
-        "gen_args_0"]["arg_0"]
+    prompt = ours["samples"]["mmlu_sample"][0]["arguments"][0][0]  # a request's (context, continuation)
+    assert prompt.startswith("<|im_start|>") and prompt == reference["samples"]["mmlu_sample"][0]["arguments"][0][0]
     mine, theirs = _responses(ours)["mmlu_sample"], _responses(reference)["mmlu_sample"]
     assert len(mine) == 32 and max(abs(a[0] - b[0]) for a, b in zip(mine, theirs)) <= 1e-4
     assert ours["results"]["mmlu_sample"]["acc,none"] == reference["results"]["mmlu_sample"]["acc,none"]
