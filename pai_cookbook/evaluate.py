@@ -142,9 +142,7 @@ def loglikelihood_tokens(ckpt: str | Path, pairs: Sequence[tuple[Sequence[int], 
 def loglikelihood(ckpt: str | Path, requests: Sequence[tuple[str, str]], **options: Any) -> dict[str, Any]:
     """`loglikelihood_tokens` of (context, continuation) texts, tokenized by `encode_pair` with the checkpoint's
     tokenizer; `options` are `loglikelihood_tokens`'s."""
-    from pai_cookbook.generate import resolve_checkpoint
-
-    ckpt = resolve_checkpoint(ckpt)
+    ckpt = checkpoint.resolve(ckpt)  # once: tokenizer() and loglikelihood_tokens() check what it names
     hf = tokenizer(ckpt)
     pairs = [encode_pair(hf, *_text_pair(r, i)) for i, r in enumerate(inputs.listed(requests, "requests",
                                                                                     "(context, continuation) texts"))]
@@ -199,9 +197,7 @@ def perplexity(ckpt: str | Path, texts: Sequence[str], **options: Any) -> dict[s
         those three, "logprob" (the sum), "tokens", "bytes", "words", "per_text" logprobs, "windows" (the sequences
         scored), and the launch's figures.
     """
-    from pai_cookbook.generate import resolve_checkpoint
-
-    ckpt = resolve_checkpoint(ckpt)
+    ckpt = checkpoint.resolve(ckpt)  # once: tokenizer() and loglikelihood_tokens() check what it names
     texts = [_string(t, f"text {i}") for i, t in enumerate(inputs.listed(texts, "texts", "strings"))]
     windows, owner = text_windows(tokenizer(ckpt), texts, max_length(ckpt))
     empty = sorted(set(range(len(texts))) - set(owner))
@@ -239,10 +235,11 @@ def generate_until(ckpt: str | Path, requests: Sequence[tuple[str, Sequence[str]
     layout.check(model, parallel, purpose="infer")
     checked = [(_string(c, f"request {i}'s context"), [_string(s, f"request {i}'s stop string") for s in until])
                for i, (c, until) in enumerate(inputs.listed(requests, "requests", "(context, stop strings)"))]
-    room = max_length(ckpt) - max_new_tokens
+    limit = max_length(ckpt)
+    room = limit - max_new_tokens
     if room < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} leaves no room for a context in the model's "
-                          f"{max_length(ckpt)} positions; lower it.")
+                          f"{limit} positions; lower it.")
     ids = [encode(hf, context) or [prefix_id(hf)] for context, _ in checked]
     if truncate:
         ids = [i[-room:] for i in ids]
@@ -256,8 +253,7 @@ def generate_until(ckpt: str | Path, requests: Sequence[tuple[str, Sequence[str]
     for stops, members in groups.items():
         config = GenerationConfig(max_new_tokens=max_new_tokens, repetition_penalty=1.0, stop=stops,
                                   chat_template="never")
-        longest = generate.check_fits([ids[i] for i in members], [{"line": i} for i in members], max_length(ckpt),
-                                      config)
+        longest = generate.check_fits([ids[i] for i in members], [{"line": i} for i in members], limit, config)
         jobs.append(GenerationJob(ckpt=str(Path(ckpt).resolve()), prompt_ids=[ids[i] for i in members], config=config,
                                   parallel=parallel, eos_ids=eos, max_sequence=longest))
     generated: list[list[int]] = [[] for _ in checked]

@@ -31,6 +31,7 @@ from pai_cookbook.core.checkpoints.checkpoint_config import (  # noqa: F401
     PARTIAL_SUFFIX,
     description,
     finished_iterations,
+    partial_dir,
     read_config,
     resolve,
 )
@@ -63,11 +64,6 @@ def nearest_existing(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
-
-
-def partial_dir(out: str | Path) -> Path:
-    out = Path(out)
-    return out.with_name(out.name + PARTIAL_SUFFIX)
 
 
 def prepare(out: str | Path, overwrite: bool) -> Path:

@@ -20,6 +20,12 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 ITER_PREFIX = "iter_"
 
 
+def partial_dir(out: str | Path) -> Path:
+    """`<out>.partial`, where a writer fills `out` before renaming it into place."""
+    out = Path(out)
+    return out.with_name(out.name + PARTIAL_SUFFIX)
+
+
 def finished_iterations(save_dir: str | Path) -> list[Path]:
     """Complete training checkpoints in save_dir, oldest first (.partial folders are never listed)."""
     folder = Path(save_dir)

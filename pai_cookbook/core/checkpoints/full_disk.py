@@ -10,7 +10,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from pai_cookbook.core.checkpoints.checkpoint_config import PARTIAL_SUFFIX
+from pai_cookbook.core.checkpoints.checkpoint_config import partial_dir
 
 DISK_FULL_BYTES = 64 * 2**20
 """Free space under which a failed save is taken for a full disk."""
@@ -55,7 +55,7 @@ def worker_writes(out: str | Path) -> Iterator[None]:
     the disk); any other failure goes on as it was, its `.partial` removed too."""
     from pai_cookbook.core.launching.failures import WorkerError
 
-    partial = Path(out).with_name(Path(out).name + PARTIAL_SUFFIX)
+    partial = partial_dir(out)
     try:
         with full_disk_said(partial, out, then=f"nothing of {Path(out).name} is left half-written; run it again "
                                                  f"where there is room", catch=WorkerError):
