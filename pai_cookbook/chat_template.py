@@ -18,11 +18,13 @@ does not support: `system="fold"`), an assistant turn with no stop token after i
 prompt other than what the template writes before an answer in training (a thinking prompt:
 `check_generation_prompt=False`), a template that rewrites a message, and special-token text typed inside a message
 (it would be read as the control token: a stop token inside an answer teaches the model to stop there; an HTML `</s>`
-or a chat log quoting `<|im_end|>` is plain text to its writer: `special_text="as_text"` encodes it so).
+or a chat log quoting `<|im_end|>` is plain text to its writer: `special_text="as_text"` encodes it so, as this
+tokenizer splits that text with the words around it).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,44 +238,81 @@ it is (`tokenize`)."""
 def tokenize(tokenizer, text: str, spans: list[tuple[int, int]], control: set[int], as_text: bool
              ) -> tuple[list[int], list[tuple[int, int]], list[int]]:
     """`text` tokenized once (the template writes BOS): (ids, character offsets, the indices of control tokens typed
-    inside `spans`, the messages, in that one tokenization). With `as_text` each typed control token is replaced by
-    the plain text's tokens (the tokenizer's own split of special-token text, `split_special_tokens=True`), which
-    decode to the same text: the template's own control tokens stay, and the text around a typed one is tokenized as
-    before (a special token is split out of the text before the rest is tokenized), so only that token changes; the
-    ids and offsets are then the replaced ones, and the indices say what was replaced."""
+    inside `spans`, the messages, in that one tokenization). With `as_text` a conversation that types one is
+    tokenized once more, by the same tokenizer with only the template's occurrences of those tokens recognised
+    (`_plain_typed`): the typed text is then the plain text it is to this tokenizer, merged with the words and spaces
+    around it as any text is, and everything else tokenized as before; the ids and offsets are then that second
+    tokenization's, and the indices still those of the first."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
     typed = [k for k, (a, b) in enumerate(offsets)
              if ids[k] in control and a < b and any(start <= a and b <= end for start, end in spans)]
     if not as_text or not typed:
         return ids, offsets, typed
-    out_ids, out_offsets, last = [], [], 0
-    for k in typed:
-        a, b = offsets[k]
-        pieces = _as_plain_text(tokenizer, text[a:b], control)
-        out_ids += ids[last:k] + [i for i, _ in pieces]
-        out_offsets += offsets[last:k] + [(a + x, a + y) for _, (x, y) in pieces]
-        last = k + 1
-    return out_ids + ids[last:], out_offsets + offsets[last:], typed
+    out_ids, out_offsets = _plain_typed(tokenizer, text, ids, offsets, typed)
+    inside = [k for k, (a, b) in enumerate(out_offsets)
+              if out_ids[k] in control and a < b and any(start <= a and b <= end for start, end in spans)]
+    if inside:
+        a, b = out_offsets[inside[0]]
+        raise SFTError(f"{text[a:b]!r} cannot be encoded as the plain text it is by this tokenizer (its plain-text "
+                       f"tokenization is the control token {out_ids[inside[0]]} again); remove or reword it in the "
+                       f"data.")
+    return out_ids, out_offsets, typed
 
 
-def _as_plain_text(tokenizer, piece: str, control: set[int]) -> list[tuple[int, tuple[int, int]]]:
-    """(id, offsets in `piece`) of special-token text tokenized as plain text, which decode to `piece` exactly. A
-    SentencePiece tokenizer prefixes a lone piece with a word boundary (`</s>` -> "▁</", "s", ">": " </s>"), so where
-    the piece alone does not decode to itself after a word (decoding a lone piece hides that space) it is tokenized
-    after a newline, whose tokens are dropped."""
-    word = tokenizer("a", add_special_tokens=False)["input_ids"]
-    for anchor in ("", "\n"):
-        encoded = tokenizer(anchor + piece, add_special_tokens=False, split_special_tokens=True,
-                            return_offsets_mapping=True)
-        kept = [(i, (x - len(anchor), y - len(anchor))) for i, (x, y) in zip(encoded["input_ids"],
-                                                                              encoded["offset_mapping"])
-                if x >= len(anchor) and y > x]
-        ids = [i for i, _ in kept]
-        if ids and not set(ids) & control and tokenizer.decode(word + ids) == tokenizer.decode(word) + piece:
-            return kept
-    raise SFTError(f"{piece!r} cannot be encoded as the plain text it is by this tokenizer (split_special_tokens=True "
-                   f"gives no tokens that decode to it); remove or reword it in the data.")
+SENTINEL = "\ue002{}\ue003"
+"""What the template's own occurrence of a typed control token is written as for `_plain_typed` (private-use
+characters, which no template or vocabulary writes)."""
+
+
+def _plain_typed(tokenizer, text: str, ids: list[int], offsets: list[tuple[int, int]], typed: list[int]
+                 ) -> tuple[list[int], list[tuple[int, int]]]:
+    """`text` tokenized by a copy of `tokenizer` in which the control tokens typed at `typed` are known by other
+    texts (`SENTINEL`, with the same id and flags): the template's occurrences of them are rewritten to those texts
+    and stay the control tokens, the typed ones are no added token's text any more and are tokenized as plain text,
+    in one pass. Offsets are mapped back to `text`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise SFTError(f"special_text=\"as_text\" needs a fast (Rust-backed) tokenizer; {type(tokenizer).__name__} "
+                       f"is not one. Load the model's tokenizer.json with transformers, or remove the typed text.")
+    renamed = frozenset(ids[k] for k in typed)
+    made = tokenizer.__dict__.setdefault("_pai_cookbook_plain_typed", {})
+    if renamed not in made:
+        from tokenizers import Tokenizer
+
+        spec = json.loads(backend.to_str())
+        for added in spec.get("added_tokens", []):
+            if added["id"] in renamed:
+                added["content"] = SENTINEL.format(added["id"])
+        plain = Tokenizer.from_str(json.dumps(spec))
+        # rebuilt, an added token takes the id its text has in the model's vocabulary, or the next free one: its own
+        # id again (a renamed token's old text stays in a vocabulary that holds it)
+        own = {plain.token_to_id(added["content"]): added["id"] for added in spec.get("added_tokens", [])}
+        made[renamed] = plain, {k: v for k, v in own.items() if k != v}
+    plain, own = made[renamed]
+    typed_at = set(typed)
+    pieces, edits, last = [], [], 0  # edits: (start in the rewritten text, its end, start in text, end in text)
+    for k, (a, b) in enumerate(offsets):
+        if ids[k] in renamed and k not in typed_at and a < b:
+            pieces.append(text[last:a])
+            start = sum(map(len, pieces))
+            pieces.append(SENTINEL.format(ids[k]))
+            edits.append((start, start + len(pieces[-1]), a, b))
+            last = b
+    pieces.append(text[last:])
+    encoded = plain.encode("".join(pieces), add_special_tokens=False)
+
+    def back(x: int) -> int:  # a position in the rewritten text, in `text`
+        shift = 0
+        for start, stop, a, b in edits:
+            if x <= start:
+                break
+            if x < stop:
+                return a
+            shift = b - stop
+        return x + shift
+
+    return [own.get(i, i) for i in encoded.ids], [(back(a), back(b)) for a, b in encoded.offsets]
 
 
 def mask(tokenizer, located: Located, stops: list[int], where: str = "", special_text: str = "refuse"

@@ -458,3 +458,62 @@ def test_special_token_text_typed_in_a_message_is_refused_or_kept_as_plain_text(
     assert sum(i in stops for i in sample.ids) == sum(i in stops for i in plain.ids) >= 1
     trained = tokenizer.decode([i for i, m in zip(sample.ids, sample.loss_mask) if m])
     assert typed["messages"][1]["content"] in trained and trained.endswith(case.turn_end), trained
+
+
+PLACES = ["{t}Gemma writes this.", "Gemma writes this{t}", "Gemma writes this {t}", "Gemma writes {t}Gemma writes",
+          "Gemma{t}writes", "Gemma writes {t} this", "Gemma writes\n{t}\nthis", "{t}{t} and {t}", "{t}", " {t} "]
+"""Where a typed turn-end token sits in a message (issue 66): at the start, inside and at the end, against a word,
+a space and a newline, repeated, alone, and alone between spaces (which the audit once found in the template's
+own text)."""
+AS_TEXT = ["smollm2", "qwen2.5", "qwen3", "llama-3.1", "gemma-4", "deepseek-v3.1", "mistral-nemo", "phi-3.5"]
+"""Byte-level BPE (SmolLM2, Qwen2, Llama 3, Gemma 4, DeepSeek) and SentencePiece (Llama 2's, Phi-3's) vocabularies."""
+
+
+@pytest.mark.parametrize("case_id", AS_TEXT)
+def test_typed_special_text_is_trained_as_the_plain_text_it_is_wherever_it_sits(case_id, cache, tmp_path,
+                                                                                 monkeypatch):
+    """With special_text="as_text" every placing of typed turn-end text is prepared (the audit agrees with the
+    encoding), its tokens are the plain text's as this tokenizer splits it with the words around it (never the
+    control id, never a piece cut off from its neighbour: once, a space before it stayed a token of its own and the
+    trained span slid by one), the ids decode to what the same conversation with a plain word there decodes to, and
+    the template's own stop tokens are all still there."""
+    case = next(c for c in real_templates.MATRIX if c.id == case_id)
+    folder = _folder(case)
+    monkeypatch.setattr(tokenizers, "load", _load)
+    tokenizer = _load(folder)
+    t = case.turn_end
+    ways = EXPECTED_WAYS.get(case_id, set())
+    options = ({"stop_tokens": [t]} if "stop_tokens" in ways else {}) | (
+        {"check_generation_prompt": False} if "check_generation_prompt" in ways else {})
+    conversations = []
+    for k, place in enumerate(PLACES):
+        typed = place.format(t=t)
+        conversations.append({"line": len(conversations) + 1, "messages": [  # typed in an answer, then in a question
+            {"role": "user", "content": f"Question {k}?"}, {"role": "assistant", "content": typed},
+            {"role": "user", "content": typed}, {"role": "assistant", "content": f"Answer {k}."}]})
+    summary = sft.prepare(conversations, tmp_path / "set", folder, seq_length=SEQ_LENGTH, special_text="as_text",
+                          **options)
+    assert summary["counts"]["special_as_text"] == [c["line"] for c in conversations]
+    assert not summary["audit"]["mismatched_lines"], summary["audit"]["mismatches"]
+    stops = sorted(set(tokenizer.convert_tokens_to_ids(options["stop_tokens"]) if "stop_tokens" in options
+                       else _their_stop_ids(tokenizer, folder)))
+    control = set(tokenizer.all_special_ids) | set(stops)
+    checks = {"check_generation_prompt": options.get("check_generation_prompt", True)}
+    for conversation, place in zip(conversations, PLACES):
+        sample = sft.encode(tokenizer, conversation, None, stop_ids=stops, special_text="as_text", **checks)
+        word = {**conversation, "messages": [m | {"content": m["content"].replace(t, "EOT")}
+                                             for m in conversation["messages"]]}
+        plain = sft.encode(tokenizer, word, None, stop_ids=stops, **checks)
+        where = f"{case_id}, {place!r}"
+        assert tokenizer.decode(sample.ids) == tokenizer.decode(plain.ids).replace("EOT", t), where
+        assert [i for i in sample.ids if i in control] == [i for i in plain.ids if i in control], where
+        trained = [i for i, m in zip(sample.ids, sample.loss_mask) if m]
+        text = tokenizer.decode(trained)
+        answer = conversation["messages"][1]["content"]
+        assert answer.strip() in text and text.endswith(t), (where, text)
+        # the answer's tokens are the tokenizer's own split of it as plain text, with the words around it
+        written = answer if answer in tokenizer.decode(sample.ids) else answer.strip()  # as given, or trimmed
+        pieces = tokenizer(written, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if case.vocab not in ("llama-spm", "phi-3"):  # SentencePiece marks a word's start with its first piece
+            assert any(trained[k:k + len(pieces)] == pieces for k in range(len(trained))), (
+                where, tokenizer.convert_ids_to_tokens(trained), tokenizer.convert_ids_to_tokens(pieces))

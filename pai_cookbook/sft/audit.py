@@ -60,10 +60,11 @@ def _expected_mask(tokenizer, messages: list[dict], template: str | None, stops:
     """(ids, mask) by the audit's own placing (`audit`), and the number of assistant turns; (None, n) when an
     answer or its stop token is not found."""
     text = chat.render(tokenizer, messages, template)
+    starts = _starts(tokenizer, messages, template, text)
     spans, pos = [], 0
-    for message in messages if as_text else []:  # each message's text searched forward, as the answers are below
+    for i, message in enumerate(messages if as_text else []):  # each message's text found as the answers are below
         core = message["content"].strip()
-        at = text.find(core, pos) if core else -1
+        at = text.find(core, pos if starts[i] is None else starts[i]) if core else -1
         if at >= 0:
             spans.append((at, at + len(core)))
             pos = at + len(core) if message["role"] != "system" else pos
@@ -71,7 +72,7 @@ def _expected_mask(tokenizer, messages: list[dict], template: str | None, stops:
     mask, turns, pos = [False] * len(ids), 0, 0
     for i, message in enumerate(messages):
         core = message["content"].strip()
-        at = text.find(core, pos)
+        at = text.find(core, pos if starts[i] is None else starts[i])
         if message["role"] != "assistant":
             if at >= 0 and message["role"] != "system":  # a template may move the system message (Mistral's last turn)
                 pos = at + len(core)
@@ -100,6 +101,21 @@ def _expected_mask(tokenizer, messages: list[dict], template: str | None, stops:
                 mask[k] = True
         pos = offsets[stop][1]
     return (ids, mask), turns
+
+
+def _starts(tokenizer, messages: list[dict], template: str | None, text: str) -> list[int | None]:
+    """Where each message's text can start in `text`, the rendering: the first character at which two renderings
+    with that message's content replaced by two different characters differ (the template's text before it is the
+    same), where `text` has the same text before it; None where it has not (a template whose earlier text depends on
+    this message's content), and the forward search alone places the message. A message whose text the template
+    also writes before it (`<|im_end|>` typed alone) is then found in its place, not in the template's."""
+    out = []
+    for i, message in enumerate(messages):
+        a, b = (chat.render(tokenizer, messages[:i] + [message | {"content": c}] + messages[i + 1:], template)
+                for c in ("\ue000", "\ue001"))
+        at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        out.append(at if at is not None and text[:at] == a[:at] else None)
+    return out
 
 
 def _difference(tokenizer, sample: Sample, expected, stops: list[int]) -> str:
