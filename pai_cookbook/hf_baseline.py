@@ -235,11 +235,12 @@ def trl_dpo(hf_dir: str | Path, prepared: str | Path, out_dir: str | Path, confi
     smoothing, which TRL 1.16's "sigmoid" no longer takes). TRL is given the set's own token ids (prompt, chosen and
     rejected answers), so that what is compared is the training, not two tokenizations; its reference is a frozen
     copy of the model, scored in each step as TRL does. Every step sees the whole set (one batch of all its pairs);
-    the optimizer is the cookbook's: AdamW with its betas and eps, the gradient clipped to `clip_grad`, a constant
+    the optimizer is the cookbook's: AdamW with the config's betas and eps, the gradient clipped to `clip_grad`, a constant
     learning rate.
 
     Returns:
-        {"losses": per step, as TRL logs it (before that step's update), "accuracies", "margins"}.
+        {"losses": per step, as TRL logs it (before that step's update), "accuracies", "margins", "model": the
+        trained model}.
     """
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
@@ -264,7 +265,7 @@ def trl_dpo(hf_dir: str | Path, prepared: str | Path, out_dir: str | Path, confi
         def _prepare_dataset(self, dataset, *args, **kwargs):  # the set's ids, as they are
             return dataset
 
-    opt = OptimizerConfig()
+    opt = OptimizerConfig(**{k: getattr(config, k) for k in ("adam_beta1", "adam_beta2", "adam_eps") if hasattr(config, k)})
     with _quiet_trl():
         args = DPOConfig(
             output_dir=str(out_dir), max_steps=config.steps, learning_rate=config.lr, per_device_train_batch_size=len(rows),
@@ -279,7 +280,7 @@ def trl_dpo(hf_dir: str | Path, prepared: str | Path, out_dir: str | Path, confi
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"losses": [entry["loss"] for entry in logged],
             "accuracies": [entry.get("rewards/accuracies") for entry in logged],
-            "margins": [entry.get("rewards/margins") for entry in logged]}
+            "margins": [entry.get("rewards/margins") for entry in logged], "model": trainer.model}
 
 
 def trl_grpo(hf_dir: str | Path, prompts: Sequence[dict[str, Any]], reward: str, out_dir: str | Path, *, steps: int,

@@ -112,6 +112,49 @@ def test_equals_trl(start, prepared, tmp_path, loss, beta):
         assert abs(mine[0] - math.log(2)) < 1e-6 and mine[3] < mine[0] - 0.01  # the start is log 2; it learns
 
 
+def test_the_pad_row_trains_where_transformers_freezes_it(start, prepared, tmp_path):
+    """transformers builds the input embedding with `padding_idx=config.pad_token_id`, so TRL never moves that row;
+    the cookbook trains every row (docs/preference-tuning.md). With no pad id (the model above) the two runs' updates
+    of the embedding agree, the turn end's row included; with `<|im_end|>` as the pad id, as SmolLM2-Instruct sets
+    it, they agree except that row, which moves in the cookbook's run (more than the average row: it ends every
+    answer) and not at all in TRL's. fp32, 4 steps at 1e-3 with Adam's eps at 1e-4: weights are compared by their
+    updates, relative to the update's size, because Adam moves a weight by about the rate whatever its gradient's
+    size, so rounding in the smallest gradients shows at the rate's scale (measured: 1.9% apart over the other rows,
+    3.4% on the turn end's; the bound is 5%)."""
+    import json
+    import shutil
+
+    from pai_cookbook import convert, evaluate, hf_baseline
+
+    end = evaluate.tokenizer(start / "start").convert_tokens_to_ids("<|im_end|>")
+    hf = start / "hf_export"
+    if not (hf / "config.json").exists():
+        convert.megatron_to_hf(start / "start", hf)
+    padded = tmp_path / "hf_padded"
+    shutil.copytree(hf, padded)
+    config_file = padded / "config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"pad_token_id": end}))
+    config = dpo.DPOConfig(steps=4, lr=1e-3, global_batch_size=16, micro_batch_size=4, adam_eps=1e-4)
+    run = dpo.train(start / "start", prepared, config, run_dir=tmp_path / "run", save_dir=tmp_path / "save", **QUIET)
+    convert.megatron_to_hf(run["checkpoint"], tmp_path / "mine")
+    before = hf_baseline.hf_model(hf).get_input_embeddings().weight.detach()
+    mine = hf_baseline.hf_model(tmp_path / "mine").get_input_embeddings().weight.detach() - before
+    others = torch.ones(len(mine), dtype=torch.bool)
+    others[end] = False
+    average_row = mine[others].norm(dim=1).mean().item()
+    assert mine[end].norm().item() > 2 * average_row, (mine[end].norm().item(), average_row)
+    for folder, pad in ((hf, None), (padded, end)):
+        theirs = hf_baseline.trl_dpo(folder, prepared, tmp_path / f"trl_{pad}", config)["model"]
+        theirs = theirs.get_input_embeddings().weight.detach() - before
+        apart = {name: ((mine[rows] - theirs[rows]).norm() / mine[rows].norm()).item()
+                 for name, rows in (("other rows", others), ("turn end", end))}
+        assert apart["other rows"] < 0.05, f"pad id {pad}: {apart}"
+        if pad is None:
+            assert apart["turn end"] < 0.05, f"no pad id: {apart}"
+        else:
+            assert theirs[end].abs().max().item() == 0.0, f"TRL moved the pad row: {theirs[end].abs().max().item():.1e}"
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}],
                          ids=["TP2", "PP2"])
