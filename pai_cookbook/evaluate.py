@@ -47,9 +47,10 @@ def tokenizer(ckpt: str | Path):
 
 def max_length(ckpt: str | Path) -> int:
     """Positions the model attends over: what a scored sequence (context + continuation, less its last token) may
-    hold."""
+    hold. A sliding window does not shorten it: each layer applies its window inside attention, as transformers
+    does."""
     model, _ = checkpoint.read_config(checkpoint.resolve(ckpt))
-    return min(x for x in (model.max_position_embeddings, model.sliding_window) if x)
+    return model.max_position_embeddings
 
 
 def prefix_id(hf) -> int:

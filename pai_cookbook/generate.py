@@ -63,10 +63,9 @@ def resolve_checkpoint(path: str | Path, language_model: bool = True) -> Path:
 
 
 def context_limit(model, config: GenerationConfig) -> int:
-    """Tokens (prompt + completion) one sequence may hold: the model's limit, its sliding window (the
-    cookbook's Megatron-Core layers attend to the whole context, equal to the model only within the
-    window), and the configured max_sequence_length."""
-    limits = [model.max_position_embeddings, model.sliding_window, config.max_sequence_length]
+    """Tokens (prompt + completion) one sequence may hold: the model's limit and the configured
+    max_sequence_length (a sliding window is applied inside attention, not here)."""
+    limits = [model.max_position_embeddings, config.max_sequence_length]
     return min(x for x in limits if x)
 
 

@@ -98,8 +98,6 @@ BAD_FIELDS = [
      r"max_position_embeddings 100000 exceeds rotary's longest wavelength .* = 62832 tokens"),
     ("sequence longer than the model's context", lambda: run(data=DataConfig(seq_length=512)),
      r"seq_length 512 exceeds the model's max_position_embeddings 256"),
-    ("sequence longer than Mistral's window", lambda: run("mistral", data=DataConfig(seq_length=128)),
-     r"seq_length 128 exceeds the model's sliding_window 64"),
     ("top-k above expert count", lambda: families.tiny("mixtral", moe_router_topk=5),
      r"moe_router_topk 5 exceeds num_experts 4"),
     ("sinkhorn with top-2", lambda: families.tiny("mixtral", moe_router_load_balancing_type="sinkhorn"),

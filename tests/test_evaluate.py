@@ -117,6 +117,38 @@ def test_perplexity_is_transformers_log_likelihood_of_every_token(tiny, tmp_path
     assert out["token_perplexity"] == pytest.approx(math.exp(-out["logprob"] / out["tokens"]))
 
 
+@pytest.mark.multiproc
+def test_a_sliding_window_is_applied_inside_attention_as_transformers_does(tmp_path):
+    """A Mistral whose window (8) is shorter than its positions (64): the model's length is its positions, as
+    HFLM's is, and a 50-token text's log-likelihood is transformers' (each layer's queries see the last 8
+    positions) within 1e-4 at TP=2, scored in one pass (the window was once taken for the model's length, and the
+    text cut into 8-token pieces)."""
+    import transformers
+
+    from pai_cookbook import convert
+    from pai_cookbook.fixtures import smollm2
+    from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
+
+    hf = make_tiny_hf_model("mistral", tmp_path / "hf", tokenizer_dir=smollm2.hf_folder(), max_position_embeddings=64,
+                            sliding_window=8)
+    ckpt = tmp_path / "mcore"
+    convert.hf_to_megatron(hf, ckpt, run_dir=tmp_path / "convert")
+    assert evaluate.max_length(ckpt) == 64
+    tokenizer = evaluate.tokenizer(ckpt)
+    text = ("A sliding window lets each layer of the model see only the last few positions before a token, so a "
+            "text several times longer than the window tests whether the window is applied where the model applies "
+            "it, and nowhere else.")
+    ids = [evaluate.prefix_id(tokenizer)] + evaluate.encode(tokenizer, text)
+    assert 8 * 4 < len(ids) <= 64
+    out = evaluate.perplexity(ckpt, [text], parallel=ParallelConfig(tensor_model_parallel_size=2),
+                              run_dir=tmp_path / "p", **QUIET)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits.float(), -1)[0]
+    reference = float(logprobs.gather(-1, torch.tensor(ids[1:])[:, None]).sum())
+    assert out["windows"] == 1 and abs(out["per_text"][0] - reference) <= 1e-4, (out["per_text"], reference)
+
+
 def test_a_pair_is_tokenized_as_the_whole_text_is(tiny):
     """The context's trailing spaces move to the continuation, and the continuation's ids are the whole text's after
     the context's: context + continuation ids are the whole text's ids exactly."""

@@ -290,11 +290,6 @@ class RunConfig(Job):
                  self.memory.recompute_method == "block",
                  f"uniform full recompute groups layers by recompute_num_layers "
                  f"{self.memory.recompute_num_layers}, which does not divide num_layers {self.model.num_layers}.")
-        window = self.model.sliding_window
-        require(window is None or self.data.seq_length <= window,
-                 f"seq_length {self.data.seq_length} exceeds the model's sliding_window {window}; Megatron-Core's "
-                 f"local attention is full attention, equal to sliding-window attention only up to the window. "
-                 f"Use seq_length <= {window}.")
         require(self.lora is None or self.checkpoint.load_dir,
                  "LoRA adapts a trained model: set checkpoint.load_dir to its checkpoint (adapters on random weights "
                  "learn what full training would, slower).")

@@ -65,8 +65,8 @@ class ModelConfig:
     rope_scaling_factor: float | None = None
     """Llama 3.1-style rotary frequency scaling factor; None disables it."""
     sliding_window: int | None = None
-    """Mistral's attention window; the local attention is full, which is identical while
-    seq_length <= sliding_window (checked by RunConfig)."""
+    """Mistral's attention window W (Hugging Face's `sliding_window`): every layer's query sees itself and the W - 1
+    positions before it (Megatron-Core's `window_size` (W - 1, 0)); None: full attention."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     norm_epsilon: float = 1e-5
     activation: Literal["swiglu", "gelu"] = "swiglu"

@@ -13,9 +13,11 @@ Transformer Engine, flash or memory-efficient kernels): same parameters (none), 
 - Grouped-query attention: the kernel's `enable_gqa`, so keys and values are not repeated.
 - A given boolean mask (True: masked, Megatron-Core's convention; e.g. `sft.attention_mask`, block-diagonal for
   packed rows) is passed to the kernel, inverted.
+- Sliding windows (`TransformerConfig.window_size`, on the layers Megatron-Core gives one): the window's mask
+  joined to the mask given or to the causal one (upstream's unfused softmax puts the window's mask in place of a
+  given one, so padded and packed rows would see across their boundaries).
 - What it does not cover falls back to Megatron-Core's own forward, unchanged: attention dropout while
-  training (its mask is drawn from Megatron-Core's RNG tracker), softmax variants with an offset, sliding
-  windows, attention bias.
+  training (its mask is drawn from Megatron-Core's RNG tracker), softmax variants with an offset, attention bias.
 
 `core.modeling.layer_spec.layer_spec` swaps it in wherever the local spec's `DotProductAttention` is used, unless the model
 asks for the unfused one (`ModelConfig.attention_backend="unfused"`, as the parity tests do).
@@ -51,8 +53,7 @@ class SDPAttention(SplitWidthAttention):
     def _fused(self) -> bool:
         dropout = self.training and self.attention_dropout.p > 0
         layer_scaling = self.scale_mask_softmax.scale is not None  # apply_query_key_layer_scaling
-        return (not dropout and not layer_scaling and self.softmax_offset is None
-                and getattr(self.config, "window_size", None) is None)
+        return not dropout and not layer_scaling and self.softmax_offset is None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -64,12 +65,16 @@ class SDPAttention(SplitWidthAttention):
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         mask, causal = None, False
+        window = self.scale_mask_softmax.window_size  # Megatron-Core's choice for this layer (window_attn_skip_freq)
         if attention_mask is not None:
             mask = ~attention_mask  # the kernel's convention: True attends
         elif self.attn_mask_type == AttnMaskType.causal and sq > 1:
             if sq != sk:
                 raise ValueError(f"causal attention without a mask needs as many queries as keys ({sq} vs {sk})")
-            causal = True
+            causal = window is None
+        if window is not None:  # with the mask given (padding, packed rows), not in its place as upstream's softmax
+            outside = outside_window(sq, sk, window, q.device)
+            mask = ~outside if mask is None else mask & ~outside
         # Multi-latent attention's values are narrower than its queries and keys, and the fused kernels take one width
         # (PyTorch's CPU kernel falls back to materialised scores, in fp32, otherwise): the values are padded with
         # zeros, which add zero columns to the output, cut off after (as Megatron-Core pads them for its MLA kernels).
@@ -83,6 +88,15 @@ class SDPAttention(SplitWidthAttention):
             out = out[..., :-pad]
         # [b, n, sq, d_v] -> [sq, b, n * d_v]
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * out.shape[-1])
+
+
+def outside_window(sq: int, sk: int, window: tuple[int, int], device) -> torch.Tensor:
+    """[sq, sk] True where a key lies outside a query's sliding window: the queries are the last `sq` of `sk`
+    positions, and query i sees keys i - window[0] .. i + window[1] (Transformer Engine's `window_size`;
+    Megatron-Core's `get_sliding_window_causal_mask`). Hugging Face's `sliding_window` W is (W - 1, 0)."""
+    queries = torch.arange(sk - sq, sk, device=device)[:, None]
+    keys = torch.arange(sk, device=device)[None, :]
+    return (keys < queries - window[0]) | (keys > queries + window[1])
 
 
 class _SumRotaryKeyGradient(torch.autograd.Function):

@@ -73,6 +73,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         bias_dropout_fusion=fused,
         deallocate_pipeline_outputs=True,
     )
+    if model.sliding_window:  # Hugging Face's window W: a query sees itself and the W - 1 keys before it
+        kwargs.update(window_size=(model.sliding_window - 1, 0))
     if memory is not None and memory.recompute_granularity is not None:
         kwargs.update(recompute_granularity=memory.recompute_granularity)
         if memory.recompute_granularity == "full":
