@@ -39,6 +39,18 @@ def adapter_folder(path: str | Path) -> tuple[Path, Path]:
     return folder, base_dir
 
 
+def moe_dense_mlp_adapters(folder: Path, base: Path) -> dict[str, Any] | None:
+    """The dense layers (0-based) whose MLP an MoE model's adapters adapt, with the family and targets; None where
+    there are none (a dense model, MoE layers only, or no MLP target: an MoE layer's experts take no adapter)."""
+    run = checkpoint.saved_run(folder) or {}
+    targets = [t for t in (run.get("lora") or {}).get("targets", []) if t in ("linear_fc1", "linear_fc2")]
+    model, _ = checkpoint.read_config(base)
+    layers = [i for i, moe in enumerate(model.moe_flags) if not moe] if model.is_moe else []
+    if not targets or not layers:
+        return None
+    return {"family": model.family, "targets": targets, "layers": layers}
+
+
 @nodes.node0_only
 def merge(adapters: str | Path, out: str | Path, parallel: ParallelConfig | None = None, *, overwrite: bool = False,
           run_dir: str | Path | None = None) -> dict[str, Any]:
@@ -70,9 +82,19 @@ def export_peft(adapters: str | Path, out: str | Path, *, base_model: str | Path
             config.json.
     Raises:
         ConfigError: no base_model given and none found: a base trained by the cookbook, or its source gone. Export it
-            (`convert.megatron_to_hf(base, folder)`) and pass that folder.
+            (`convert.megatron_to_hf(base, folder)`) and pass that folder. Adapters on the dense MLPs of an MoE
+            model (`moe_dense_mlp_adapters`): refused, naming the layers and the ways through.
     """
     folder, base = adapter_folder(adapters)
+    dense = moe_dense_mlp_adapters(folder, base)
+    if dense:
+        raise ConfigError(
+            f"{folder} adapts the MLP ({', '.join(dense['targets'])}) of the dense layers {dense['layers']} of an MoE "
+            f"model ({dense['family']}): a PEFT adapter names its modules by their last names (gate_proj, up_proj, "
+            f"down_proj), which in an MoE model name the routed experts too, and PEFT on transformers 5 reads them as "
+            f"the experts' fused weights, so those layers would load unadapted (the exported model would not be the "
+            f"one trained). Merge instead (lora.merge, then convert.megatron_to_hf: a full model that computes what "
+            f"was trained), or train with targets=['linear_qkv', 'linear_proj'] to export an adapter.")
     source = checkpoint_config.description(base).get("source")
     if base_model is None and source and (Path(source) / "config.json").exists():
         base_model = source
