@@ -93,7 +93,8 @@ def tiny_llama(tmp_path):
 
 def test_unknown_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ConfigError, match=r"unsupported architecture: model_type='gpt2'.*\['deepseek_v3', 'glm4_moe', 'llama'"):
+    with pytest.raises(ConfigError, match=r"unsupported architecture: model_type='gpt2'.*"
+                                          r"\['deepseek_v3', 'gemma3_text', 'glm4_moe', 'llama'"):
         convert.inspect_hf(tmp_path)
 
 

@@ -57,9 +57,25 @@ def test_qwen2_moe_sparse_step_maps_to_a_layer_pattern():
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"model_type": "gpt2"}, r"unsupported architecture: model_type='gpt2'.*supports \['deepseek_v3', 'glm4_moe', 'llama'"),
+    ({"model_type": "gpt2"},
+     r"unsupported architecture: model_type='gpt2'.*supports \['deepseek_v3', 'gemma3_text', 'glm4_moe', 'llama'"),
 ])
 def test_unknown_architecture_lists_supported(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        families.from_hf(bad)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"final_logit_softcapping": 30.0}, r"gemma3_text with \{'final_logit_softcapping': 30.0\}"),
+    ({"use_bidirectional_attention": True}, r"use_bidirectional_attention"),
+    ({"hidden_activation": "silu"}, r"hidden_activation='silu'"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6}}},
+     r"default or linear on full ones"),
+])
+def test_a_gemma3_the_cookbook_cannot_reproduce_is_refused(overrides, message):
+    """Gemma 3's variants whose outputs the cookbook would not reproduce: refused by name, not converted wrong."""
+    bad = families.tiny_hf_config("gemma3_text", **overrides)
     with pytest.raises(ConfigError, match=message):
         families.from_hf(bad)
 

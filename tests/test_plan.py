@@ -208,6 +208,8 @@ def test_a_layout_the_cookbook_refuses_is_not_planned():
         layouts.check(model, Layout(tp=3), Workload(seq_length=4096, global_batch_size=128), 3)
     with pytest.raises(ConfigError, match="2 x CP"):
         layouts.check(model, Layout(cp=2), Workload(seq_length=4094, global_batch_size=128), 2)
+    with pytest.raises(ConfigError, match="gemma3_text: the plan does not model Gemma's norms yet"):
+        layouts.check(families.tiny("gemma3_text"), Layout(), Workload(seq_length=32, global_batch_size=4), 1)
 
 
 def test_the_llama_2_7b_breakdown_in_the_docs_is_what_the_plan_says():

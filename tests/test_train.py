@@ -181,8 +181,12 @@ def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scena
 # split over TP and gathered: `core.modeling.attention.LatentSelfAttention`, without which TP=2 drifted 1e-5 from one process
 # by step 3), value heads narrower than query heads, grouped sigmoid routing whose expert bias moves every step, and a
 # shared expert, at TP=2 with sequence parallelism (an MoE model needs it at TP > 1) and at EP=2; GLM-4.5's half-rotating
-# heads with q/k/v biases and q/k norms, and the same router, likewise.
+# heads with q/k/v biases and q/k norms, and the same router, likewise. Gemma 3's norms on the attention's and the MLP's
+# outputs, whose weights' gradients are summed over TP under sequence parallelism, its two rotary tables and its window,
+# at TP=2 with sequence parallelism and at PP=2 (one layer of each kind a stage).
 NEW_FAMILY_LAYOUTS = {
+    "gemma3_text": [ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+                    ParallelConfig(pipeline_model_parallel_size=2)],
     "qwen3": [ParallelConfig(tensor_model_parallel_size=2),
               ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)],
     "deepseek_v3": [ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),

@@ -113,7 +113,7 @@ def lean_layer_class(base):
                 packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset)
             hidden_states = _bias_dropout_add(output, bias, hidden_states)
             normed = self.pre_mlp_layernorm(hidden_states)
-            if self.lean_mlp:
+            if self.lean_mlp and not self.mlp._forward_hooks:  # a hooked MLP (Gemma's post-norm) is called
                 output, bias = _dense_mlp(self.mlp, normed)
             else:
                 output, bias = self.mlp(normed, padding_mask=padding_mask)

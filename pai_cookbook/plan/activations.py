@@ -153,7 +153,7 @@ def mlp_bytes(model: ModelConfig, layout: Layout, x: Dims, ffn: int, dense: bool
     up half (+0) and the product, 5f per token; Transformer Engine's fused activation keeps its input (fc1's output)
     and fc2 its input, 3f; the CPU path's dense MLP (`cpu.glu`) fc1's output, silu's and the product, 4f. GELU: 2f."""
     swiglu = 3 if x.te else 4 if x.cpu and dense else 5
-    per_token = swiglu * ffn if model.activation == "swiglu" else 2 * ffn
+    per_token = swiglu * ffn if model.gated else 2 * ffn
     return x.s * x.b * per_token // layout.tp * x.e
 
 
@@ -216,7 +216,7 @@ def lora_bytes(model: ModelConfig, layout: Layout, x: Dims, lora: LoRAConfig, la
     delta = -2 * normalised
     if first:  # the first norm keeps nothing but its output (what QKV's adapter keeps)
         delta -= norm_input_bytes(model, x)
-    parts = {"linear_qkv": 3, "linear_fc1": 2 if model.activation == "swiglu" else 1}
+    parts = {"linear_qkv": 3, "linear_fc1": 2 if model.gated else 1}
     for target in targets:
         if target in parts:
             delta += tokens * parts[target] * lora.rank * x.e

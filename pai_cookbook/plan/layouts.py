@@ -165,6 +165,10 @@ def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) ->
     Raises:
         ConfigError: naming the offending value and the fix.
     """
+    require(not (model.post_norms or model.norm_plus_one),
+            f"{model.family}: the plan does not model Gemma's norms yet (four a layer, each computed in fp32, "
+            f"whose activations it would leave out: 25% of a tiny Gemma 3's under full recompute); plan a Llama of the "
+            f"same shape for a first estimate, and measure the run (RunConfig(measure_memory=True)).")
     require(world % layout.cp == 0, f"world size {world} is not divisible by CP={layout.cp}.")
     require(layout.cp == 1 or workload.path == TE_LAYERS,
             f"CP={layout.cp} needs Transformer Engine's attention; Megatron-Core's local spec refuses it"

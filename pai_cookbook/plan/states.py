@@ -105,7 +105,7 @@ def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -
     h = m.hidden_size
     norm = [h, h] if m.normalization == "LayerNorm" else [h]
     bias = m.add_bias_linear
-    gate = 2 if m.activation == "swiglu" else 1
+    gate = 2 if m.gated else 1
     dense: list[int] = []
     expert: list[int] = []
     vocab = m.padded_vocab_size(t) // t * h
@@ -115,7 +115,7 @@ def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -
         if m.position_embedding_type == "learned_absolute":
             dense.append(m.max_position_embeddings * h)
     for layer in chunk_layers(model, layout, pp_rank, chunk):
-        dense += norm + attention_params(m, t) + norm
+        dense += norm + attention_params(m, t) + norm + norm * 2 * m.post_norms  # Gemma's on the outputs too
         if is_moe_layer(model, layer):
             etp, fm = layout.etp or t, m.moe_ffn_hidden_size or m.ffn_hidden_size
             dense.append(m.num_experts * h)  # router, whole on every rank
@@ -145,7 +145,7 @@ def adapter_params(model: ModelConfig, layout: Layout, lora: LoRAConfig, pp_rank
     MLPs only (an MoE layer's experts take no adapter); multi-latent attention has no fused QKV."""
     m, t, r = model, layout.tp, lora.rank
     h, f = m.hidden_size, m.ffn_hidden_size
-    gated = m.activation == "swiglu"
+    gated = m.gated
     heads = m.num_attention_heads
     out: list[int] = []
     for layer in chunk_layers(model, layout, pp_rank, chunk):

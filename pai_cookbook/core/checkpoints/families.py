@@ -39,6 +39,9 @@ class Family:
     """Family-specific transformers config kwargs from a ModelConfig."""
     tiny: dict[str, Any] = field(default_factory=dict)
     """Extra transformers kwargs for the family's tiny test model."""
+    activation_key: str = "hidden_act"
+    """The config.json key of the MLP's activation (Gemma's is `hidden_activation`, which `read` checks): "silu"
+    there, checked and written."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -131,6 +134,16 @@ FAMILIES: dict[str, Family] = {
         } | family_fields.moe_layers_hf(m),
         tiny={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
     ),
+    # Gemma 3's text model: 2 layers, one of each kind; a window shorter than the tests' sequences, a linear rotary
+    # factor on the full layer, and a query scale other than the head width's, so each is applied, not only read
+    "gemma3_text": Family(
+        "gemma3_text", "Gemma3ForCausalLM", read=family_fields.gemma3_read, write=family_fields.gemma3_write,
+        tiny={"head_dim": 24, "query_pre_attn_scalar": 32, "sliding_window": 8, "tie_word_embeddings": True,
+              "layer_types": ["sliding_attention", "full_attention"], "rms_norm_eps": 1e-6,
+              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}},
+        activation_key="hidden_activation",
+    ),
 }
 
 # A tiny model of each family: 2 layers, width 64, GQA 4 heads over 2 KV heads, 256-token vocabulary
@@ -213,7 +226,7 @@ def from_hf(source: str | Path | dict[str, Any] | Any) -> ModelConfig:
     """
     hf = load_hf_config(source)
     family = family_of(hf)
-    if getattr(hf, "hidden_act", "silu") != "silu":
+    if family.activation_key == "hidden_act" and getattr(hf, "hidden_act", "silu") != "silu":
         raise ConfigError(f"{hf.model_type}: hidden_act={hf.hidden_act!r}; the cookbook maps SwiGLU (silu) MLPs.")
     fields = dict(
         family=family.name,
@@ -267,11 +280,12 @@ def to_hf(model: ModelConfig, base: dict[str, Any] | None = None) -> Any:
         vocab_size=model.vocab_size,
         max_position_embeddings=model.max_position_embeddings,
         rms_norm_eps=model.norm_epsilon,
-        hidden_act="silu",
         tie_word_embeddings=model.tie_word_embeddings,
         initializer_range=model.init_method_std,
         rope_parameters=rope,
     )
+    if family.activation_key == "hidden_act":
+        kwargs["hidden_act"] = "silu"
     kept = {k: v for k, v in (base or {}).items() if k not in ("model_type", "transformers_version")}
     return AutoConfig.for_model(family.name, **(kept | kwargs | family.write(model)))
 

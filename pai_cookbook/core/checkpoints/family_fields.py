@@ -169,3 +169,48 @@ def glm4_moe_read(hf: Any) -> dict[str, Any]:
 
 def glm4_moe_write(m: ModelConfig) -> dict[str, Any]:
     return grouped_sigmoid_router_hf(m) | {"attention_bias": m.add_qkv_bias, "use_qk_norm": m.qk_layernorm}
+
+
+def gemma3_read(hf: Any) -> dict[str, Any]:
+    """Gemma 3's text model (`gemma3_text`): sliding-window layers with their own rotary base beside full-attention
+    ones (whose rotary may be linearly scaled), queries scaled by `query_pre_attn_scalar`, (1 + w) norms on the
+    attention's and the MLP's outputs too, gated GELU (tanh), embeddings times sqrt(hidden). What the cookbook
+    cannot reproduce exactly is refused."""
+    refused = {"use_bidirectional_attention": getattr(hf, "use_bidirectional_attention", False),
+               "final_logit_softcapping": getattr(hf, "final_logit_softcapping", None),
+               "attention_bias": getattr(hf, "attention_bias", False)}
+    set_ = {k: v for k, v in refused.items() if v}
+    if set_:
+        raise ConfigError(f"gemma3_text with {set_}: the cookbook builds Gemma 3 without them (every released Gemma "
+                          f"3 text model has them off); this checkpoint's outputs cannot be reproduced exactly.")
+    activation = getattr(hf, "hidden_activation", "gelu_pytorch_tanh")
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"gemma3_text: hidden_activation={activation!r}; the cookbook maps Gemma's gelu_pytorch_tanh.")
+    kinds = list(hf.layer_types)
+    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"gemma3_text: layer types {unknown}; the cookbook builds sliding_attention and "
+                          f"full_attention layers.")
+    rope = hf.rope_parameters
+    local, full = rope.get("sliding_attention", {}), rope.get("full_attention", {})
+    if local.get("rope_type", "default") != "default" or full.get("rope_type", "default") not in ("default", "linear"):
+        raise ConfigError(f"gemma3_text rotary {rope}: the cookbook builds default rotary on sliding layers and "
+                          f"default or linear on full ones.")
+    factor = full.get("factor") if full.get("rope_type") == "linear" else None
+    return {"activation": "geglu", "qk_layernorm": True, "norm_plus_one": True, "post_norms": True,
+            "embedding_multiplier": hf.hidden_size ** 0.5, "query_pre_attn_scalar": hf.query_pre_attn_scalar,
+            "sliding_window": hf.sliding_window,
+            "sliding_window_layers": [int(kind == "sliding_attention") for kind in kinds],
+            "rotary_base": float(full.get("rope_theta", 1e6)), "local_rotary_base": float(local.get("rope_theta", 1e4)),
+            "rotary_linear_factor": None if factor is None else float(factor)}
+
+
+def gemma3_write(m: Any) -> dict[str, Any]:
+    full = {"rope_type": "default", "rope_theta": m.rotary_base}
+    if m.rotary_linear_factor is not None:
+        full = {"rope_type": "linear", "rope_theta": m.rotary_base, "factor": m.rotary_linear_factor}
+    return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": m.query_pre_attn_scalar,
+            "sliding_window": m.sliding_window, "final_logit_softcapping": None, "use_bidirectional_attention": False,
+            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in m.sliding_window_layers],
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": m.local_rotary_base},
+                                "full_attention": full}}

@@ -57,7 +57,10 @@ RULES: tuple[Rule, ...] = (
     Rule(_L + r"self_attention\.linear_kv_down_proj\.weight", (_H + "self_attn.kv_a_proj_with_mqa.weight",), "copy"),
     Rule(_L + r"self_attention\.kv_layernorm\.weight", (_H + "self_attn.kv_a_layernorm.weight",), "copy"),
     Rule(_L + r"self_attention\.linear_kv_up_proj\.weight", (_H + "self_attn.kv_b_proj.weight",), "copy"),
-    Rule(_L + r"pre_mlp_layernorm\.weight", (_H + "post_attention_layernorm.weight",), "copy"),
+    Rule(_L + r"pre_mlp_layernorm\.weight", (_H + "{pre_mlp_norm}.weight",), "copy"),
+    # Gemma's norms on the attention's and the MLP's outputs (`core.modeling.gemma`)
+    Rule(_L + r"self_attention\.post_layernorm\.weight", (_H + "post_attention_layernorm.weight",), "copy"),
+    Rule(_L + r"mlp\.post_layernorm\.weight", (_H + "post_feedforward_layernorm.weight",), "copy"),
     Rule(_L + r"mlp\.linear_fc1\.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
     Rule(_L + r"mlp\.linear_fc2\.weight", (_H + "mlp.down_proj.weight",), "copy"),
     Rule(_L + r"mlp\.router\.weight", (_H + "{moe}.gate.weight",), "copy"),
@@ -74,7 +77,7 @@ RULES: tuple[Rule, ...] = (
 # How each family names its MoE block and expert projections on disk (the hub format, which is also
 # what transformers 5 writes with save_pretrained).
 _DENSE_NAMES = {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "shared": "shared_expert",
-                "q_norm": "q_norm"}
+                "q_norm": "q_norm", "pre_mlp_norm": "post_attention_layernorm"}
 _MOE_NAMES = {
     "mixtral": _DENSE_NAMES | {"moe": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
     "qwen2_moe": _DENSE_NAMES,
@@ -82,6 +85,8 @@ _MOE_NAMES = {
     # the query latent's norm, and the shared experts (plural)
     "deepseek_v3": _DENSE_NAMES | {"shared": "shared_experts", "q_norm": "q_a_layernorm"},
     "glm4_moe": _DENSE_NAMES | {"shared": "shared_experts"},
+    # the norm before the MLP (post_attention_layernorm is the one on the attention's output)
+    "gemma3_text": _DENSE_NAMES | {"pre_mlp_norm": "pre_feedforward_layernorm"},
 }
 
 
@@ -177,6 +182,8 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if model.post_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         shapes |= _mla_shapes(model, p) if model.multi_latent_attention else _attention_shapes(model, p)
         is_moe = model.is_moe and flags[i]
         if not is_moe:

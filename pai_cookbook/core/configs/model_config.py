@@ -67,10 +67,25 @@ class ModelConfig:
     sliding_window: int | None = None
     """Mistral's attention window W (Hugging Face's `sliding_window`): every layer's query sees itself and the W - 1
     positions before it (Megatron-Core's `window_size` (W - 1, 0)); None: full attention."""
+    sliding_window_layers: list[int] | None = None
+    """0/1 per layer: which layers take the sliding window (Gemma 3: five of every six); None: all of them."""
+    local_rotary_base: float | None = None
+    """Rotary base of the sliding-window layers (Gemma 3's local base, 1e4); None: rotary_base on every layer."""
+    rotary_linear_factor: float | None = None
+    """Linear rotary scaling (frequencies divided by it) of the full-attention layers (Gemma 3 4B and up: 8)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by its -1/2 power (Gemma 3) instead of the head width's; None: the head width."""
+    norm_plus_one: bool = False
+    """RMSNorm scales by (1 + weight), in fp32, its weight starting at zero (Gemma)."""
+    post_norms: bool = False
+    """A norm on the attention's output and on the MLP's, before each residual add (Gemma 2 and 3)."""
+    embedding_multiplier: float | None = None
+    """Token embeddings are multiplied by it, rounded to the parameters' dtype first (Gemma: sqrt(hidden_size))."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     norm_epsilon: float = 1e-5
-    activation: Literal["swiglu", "gelu"] = "swiglu"
-    """MLP activation; swiglu means gated SiLU with gate and up projections."""
+    activation: Literal["swiglu", "gelu", "geglu"] = "swiglu"
+    """MLP activation; swiglu means gated SiLU with gate and up projections, geglu gated GELU with tanh's
+    approximation (Gemma's gelu_pytorch_tanh)."""
     add_qkv_bias: bool = False
     """Bias on the QKV projection only (Qwen2)."""
     add_bias_linear: bool = False
@@ -160,6 +175,13 @@ class ModelConfig:
                                                           and self.moe_layer_freq >= 1),
                  f"moe_layer_freq={self.moe_layer_freq!r} must be an int >= 1 (every n-th layer is MoE) or a list of "
                  f"one 0/1 flag per layer.")
+        layers = self.sliding_window_layers
+        require(layers is None or (self.sliding_window is not None and len(layers) == self.num_layers
+                                   and set(layers) <= {0, 1}),
+                 f"sliding_window_layers needs sliding_window and one 0/1 flag per layer ({self.num_layers}), got "
+                 f"{layers} with sliding_window {self.sliding_window}.")
+        require(self.local_rotary_base is None or layers is not None,
+                 "local_rotary_base is the sliding-window layers' rotary base: set sliding_window_layers too.")
         require(not isinstance(self.moe_layer_freq, list) or len(self.moe_layer_freq) == self.num_layers,
                  f"moe_layer_freq as a list needs one 0/1 flag per layer ({self.num_layers}), "
                  f"got {len(self.moe_layer_freq) if isinstance(self.moe_layer_freq, list) else 0}.")
@@ -230,6 +252,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP is gated (a gate and an up projection: SwiGLU, GeGLU)."""
+        return self.activation in ("swiglu", "geglu")
 
     @property
     def is_moe(self) -> bool:

@@ -217,7 +217,8 @@ def step_rotation(context, pos_emb: torch.Tensor, rows: int, length: int, mscale
         return rotation_tables(_step_freqs(pos_emb, padding_of(context, rows), context.sequence_len_offset, length),
                                mscale, dtype)
 
-    return _per_step(context, ("rotation", dtype), rows, length, build)
+    # the table in the key: layers of two kinds (Gemma 3's sliding and full layers) rotate with two tables
+    return _per_step(context, ("rotation", dtype, id(pos_emb)), rows, length, build)
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -278,7 +279,7 @@ class LeftPaddedSelfAttention(SelfAttention):
         if padding is None:
             k_rows = _step_freqs(k_pos_emb, None, start, length)
         else:
-            k_rows, q_rows = _per_step(inference_context, "rotary", key.size(1), length, lambda: (
+            k_rows, q_rows = _per_step(inference_context, ("rotary", id(k_pos_emb)), key.size(1), length, lambda: (
                 _step_freqs(k_pos_emb, padding, start, length), _step_freqs(q_pos_emb, padding, start, length)))
         key = apply_rotary_pos_emb(key, k_rows, config=self.config,
                                    mscale=_yarn_get_concentration_factor_from_config(self.config),

@@ -25,6 +25,12 @@ def torch_dtype(precision: PrecisionConfig) -> torch.dtype:
     return _DTYPES[precision.dtype]
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with tanh's approximation (Gemma's `gelu_pytorch_tanh`): a function of its own, so Megatron-Core's fused
+    bias-GELU, which computes the erf form, never takes it for `F.gelu`."""
+    return F.gelu(x, approximate="tanh")
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
                        device: DeviceInfo, memory: MemoryConfig | None = None):
     """Translate the cookbook's configs into Megatron-Core's `TransformerConfig`.
@@ -46,8 +52,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         kv_channels=model.head_dim,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=model.activation == "swiglu",
-        activation_func=F.silu if model.activation == "swiglu" else F.gelu,
+        gated_linear_unit=model.gated,
+        activation_func={"swiglu": F.silu, "geglu": gelu_tanh}.get(model.activation, F.gelu),
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
@@ -74,7 +80,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         deallocate_pipeline_outputs=True,
     )
     if model.sliding_window:  # Hugging Face's window W: a query sees itself and the W - 1 keys before it
-        kwargs.update(window_size=(model.sliding_window - 1, 0))
+        kwargs.update(window_size=(model.sliding_window - 1, 0), window_attn_skip_freq=model.sliding_window_layers)
+    if model.query_pre_attn_scalar is not None:
+        kwargs.update(softmax_scale=model.query_pre_attn_scalar ** -0.5)
+    if model.norm_plus_one and device.transformer_engine:  # Transformer Engine's norms take (1 + weight) so
+        kwargs.update(layernorm_zero_centered_gamma=True)
     if memory is not None and memory.recompute_granularity is not None:
         kwargs.update(recompute_granularity=memory.recompute_granularity)
         if memory.recompute_granularity == "full":
@@ -185,6 +195,11 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             rope_scaling_factor=model.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         )
+        if model.norm_plus_one or model.post_norms or model.local_rotary_base is not None \
+                or model.rotary_linear_factor is not None or model.embedding_multiplier is not None:
+            from pai_cookbook.core.modeling import gemma
+
+            gemma.apply(gpt, model, config, device.transformer_engine)
         if gpt.post_process and head == "reward":
             gpt.output_layer = ScalarHead(model.hidden_size, model.init_method_std, seed)
         _params_to(gpt, config.params_dtype)
@@ -278,7 +293,7 @@ def routed_expert_weights(model: ModelConfig) -> int:
     expert, no router). Forward FLOPs are twice this; a training step's, three times that."""
     if not model.is_moe:
         return 0
-    gated = 3 if model.activation == "swiglu" else 2
+    gated = 3 if model.gated else 2
     return (sum(model.moe_flags) * model.moe_router_topk * gated * model.hidden_size
             * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
 
@@ -295,7 +310,7 @@ def training_flops_per_token(model: ModelConfig, seq_length: int, frozen_weights
     """
     h, layers = model.hidden_size, model.num_layers
     q, kv = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
-    gated = 3 if model.activation == "swiglu" else 2
+    gated = 3 if model.gated else 2
     attention = h * (q + 2 * kv) + q * h
     scores = 4 * seq_length * q  # q.k and probabilities.v, 2 FLOPs per multiply-add each
     if model.multi_latent_attention:  # the latents' down and up projections; values heads x v_head_dim wide
