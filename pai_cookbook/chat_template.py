@@ -245,19 +245,24 @@ def tokenize(tokenizer, text: str, spans: list[tuple[int, int]], control: set[in
     tokenization's, and the indices still those of the first."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
-    typed = [k for k, (a, b) in enumerate(offsets)
-             if ids[k] in control and a < b and any(start <= a and b <= end for start, end in spans)]
+    typed = _control_in(ids, offsets, control, spans)
     if not as_text or not typed:
         return ids, offsets, typed
     out_ids, out_offsets = _plain_typed(tokenizer, text, ids, offsets, typed)
-    inside = [k for k, (a, b) in enumerate(out_offsets)
-              if out_ids[k] in control and a < b and any(start <= a and b <= end for start, end in spans)]
+    inside = _control_in(out_ids, out_offsets, control, spans)
     if inside:
         a, b = out_offsets[inside[0]]
         raise SFTError(f"{text[a:b]!r} cannot be encoded as the plain text it is by this tokenizer (its plain-text "
                        f"tokenization is the control token {out_ids[inside[0]]} again); remove or reword it in the "
                        f"data.")
     return out_ids, out_offsets, typed
+
+
+def _control_in(ids: list[int], offsets: list[tuple[int, int]], control: set[int], spans: list[tuple[int, int]]
+                ) -> list[int]:
+    """The indices of control tokens whose text lies inside one of `spans` (typed in a message)."""
+    return [k for k, (a, b) in enumerate(offsets)
+            if ids[k] in control and a < b and any(start <= a and b <= end for start, end in spans)]
 
 
 SENTINEL = "\ue002{}\ue003"
@@ -291,13 +296,14 @@ def _plain_typed(tokenizer, text: str, ids: list[int], offsets: list[tuple[int, 
         made[renamed] = plain, {k: v for k, v in own.items() if k != v}
     plain, own = made[renamed]
     typed_at = set(typed)
-    pieces, edits, last = [], [], 0  # edits: (start in the rewritten text, its end, start in text, end in text)
+    pieces, edits, last, length = [], [], 0, 0  # edits: (start in the rewritten text, its end, start in text, end)
     for k, (a, b) in enumerate(offsets):
         if ids[k] in renamed and k not in typed_at and a < b:
-            pieces.append(text[last:a])
-            start = sum(map(len, pieces))
-            pieces.append(SENTINEL.format(ids[k]))
-            edits.append((start, start + len(pieces[-1]), a, b))
+            sentinel = SENTINEL.format(ids[k])
+            pieces += [text[last:a], sentinel]
+            start = length + a - last
+            length = start + len(sentinel)
+            edits.append((start, length, a, b))
             last = b
     pieces.append(text[last:])
     encoded = plain.encode("".join(pieces), add_special_tokens=False)

@@ -265,7 +265,7 @@ def trl_dpo(hf_dir: str | Path, prepared: str | Path, out_dir: str | Path, confi
         def _prepare_dataset(self, dataset, *args, **kwargs):  # the set's ids, as they are
             return dataset
 
-    opt = OptimizerConfig(**{k: getattr(config, k) for k in ("adam_beta1", "adam_beta2", "adam_eps") if hasattr(config, k)})
+    opt = OptimizerConfig(adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps)
     with _quiet_trl():
         args = DPOConfig(
             output_dir=str(out_dir), max_steps=config.steps, learning_rate=config.lr, per_device_train_batch_size=len(rows),

@@ -206,9 +206,8 @@ def gemma3_read(hf: Any) -> dict[str, Any]:
 
 
 def gemma3_write(m: Any) -> dict[str, Any]:
-    full = {"rope_type": "default", "rope_theta": m.rotary_base}
-    if m.rotary_linear_factor is not None:
-        full = {"rope_type": "linear", "rope_theta": m.rotary_base, "factor": m.rotary_linear_factor}
+    full = {"rope_type": "default", "rope_theta": m.rotary_base} if m.rotary_linear_factor is None else \
+        {"rope_type": "linear", "rope_theta": m.rotary_base, "factor": m.rotary_linear_factor}
     return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": m.query_pre_attn_scalar,
             "sliding_window": m.sliding_window, "final_logit_softcapping": None, "use_bidirectional_attention": False,
             "layer_types": ["sliding_attention" if flag else "full_attention" for flag in m.sliding_window_layers],

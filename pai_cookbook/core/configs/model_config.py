@@ -72,7 +72,8 @@ class ModelConfig:
     local_rotary_base: float | None = None
     """Rotary base of the sliding-window layers (Gemma 3's local base, 1e4); None: rotary_base on every layer."""
     rotary_linear_factor: float | None = None
-    """Linear rotary scaling (frequencies divided by it) of the full-attention layers (Gemma 3 4B and up: 8)."""
+    """Linear rotary scaling (frequencies divided by it; Gemma 3 4B and up: 8): of the full-attention layers where
+    local_rotary_base gives the sliding-window layers their own, else of every layer."""
     query_pre_attn_scalar: float | None = None
     """Attention scores are scaled by its -1/2 power (Gemma 3) instead of the head width's; None: the head width."""
     norm_plus_one: bool = False

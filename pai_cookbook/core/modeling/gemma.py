@@ -48,7 +48,13 @@ class PlusOneRMSNorm(torch.nn.Module):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
-def local_global_rotary(model: ModelConfig, config, rotary):
+def asked(model: ModelConfig) -> bool:
+    """Whether `model` asks for anything `apply` adds."""
+    return (model.norm_plus_one or model.post_norms or model.local_rotary_base is not None
+            or model.rotary_linear_factor is not None or model.embedding_multiplier is not None)
+
+
+def local_global_rotary(model: ModelConfig, rotary):
     """A rotary module returning (the sliding-window layers' table, the full layers' table) in place of `rotary`
     (GPTModel's `RotaryEmbedding`, built with the full layers' base)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -116,8 +122,6 @@ def apply(gpt, model: ModelConfig, config, transformer_engine: bool) -> None:
             for child_name, child in list(module.named_children()):
                 if isinstance(child, torch.nn.RMSNorm):
                     replacement = norm(child.normalized_shape[0])
-                    if child.weight.device.type == "meta":
-                        replacement = replacement.to("meta")
                     setattr(module, child_name, replacement)
                     # a query/key norm is per head, whatever the sequence split
                     replacement.weight.sequence_parallel = getattr(child.weight, "sequence_parallel", False)
@@ -129,7 +133,7 @@ def apply(gpt, model: ModelConfig, config, transformer_engine: bool) -> None:
         if model.local_rotary_base is not None:
             _pick_rotary(layer.self_attention)
     if model.local_rotary_base is not None and getattr(gpt, "rotary_pos_emb", None) is not None:
-        gpt.rotary_pos_emb = local_global_rotary(model, config, gpt.rotary_pos_emb)
+        gpt.rotary_pos_emb = local_global_rotary(model, gpt.rotary_pos_emb)
     elif model.rotary_linear_factor is not None and getattr(gpt, "rotary_pos_emb", None) is not None:
         gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq / model.rotary_linear_factor
     if model.embedding_multiplier is not None and getattr(gpt, "pre_process", False):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pai_cookbook.core.configs.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
 from pai_cookbook.core.machine import device_guard
 from pai_cookbook.core.machine.runtime import DeviceInfo
+from pai_cookbook.core.modeling import gemma
 from pai_cookbook.core.modeling.layer_spec import LAYER_SEED_STRIDE, Converters, layer_spec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -195,10 +196,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             rope_scaling_factor=model.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         )
-        if model.norm_plus_one or model.post_norms or model.local_rotary_base is not None \
-                or model.rotary_linear_factor is not None or model.embedding_multiplier is not None:
-            from pai_cookbook.core.modeling import gemma
-
+        if gemma.asked(model):
             gemma.apply(gpt, model, config, device.transformer_engine)
         if gpt.post_process and head == "reward":
             gpt.output_layer = ScalarHead(model.hidden_size, model.init_method_std, seed)
