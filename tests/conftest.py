@@ -35,6 +35,17 @@ def runnable_families() -> list[str]:
     return [f for f in families.supported() if versions.minor() >= (0, 17) or not families.tiny(f).multi_latent_attention]
 
 
+def layout_for(family: str, tp: int = 1, pp: int = 1, ep: int = 1, **fields):
+    """ParallelConfig(TP, PP, EP) for `family`'s tiny model: experts with biases (GPT-OSS) at expert-TP 1, the only
+    one Megatron-Core builds them at (`layout.check` refuses the default, TP's, by name)."""
+    from pai_cookbook.core.configs.config import ParallelConfig
+
+    model = families.tiny(family)
+    etp = 1 if model.is_moe and model.add_bias_linear else None
+    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                          expert_tensor_parallel_size=etp, **fields)
+
+
 def on_both_ends(family: str):
     """A test parameter for `family`, in both tiers (marker both_ends) where every supported release runs it."""
     return pytest.param(family, marks=[] if families.tiny(family).multi_latent_attention else [pytest.mark.both_ends])

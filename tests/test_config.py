@@ -80,6 +80,14 @@ BAD_LAYOUTS = [
      r"moe_grouped_gemm=True needs CUDA"),
     ("EP on a dense model", lambda: run(parallel=ParallelConfig(expert_model_parallel_size=2)), 2, CPU,
      r"expert_model_parallel_size 2 is set for a dense model"),
+    ("training at EP=1 with expert-TP != TP (Megatron-Core gives wrong expert grads)", lambda: run(
+        "mixtral", parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                           expert_tensor_parallel_size=1)), 2, CPU,
+     r"expert_tensor_parallel_size 1 != tensor_model_parallel_size 2 with expert_model_parallel_size 1"),
+    ("experts with biases at expert-TP 2", lambda: run(
+        "gpt_oss", parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                           expert_model_parallel_size=2)), 2, CPU,
+     r"gpt_oss: experts with biases are built by Megatron-Core at expert_tensor_parallel_size 1 only, got 2"),
     ("expert layout over world size", lambda: run("mixtral", parallel=ParallelConfig(
         expert_model_parallel_size=2, tensor_model_parallel_size=2, expert_tensor_parallel_size=2)), 2, CPU,
      r"world size 2 is not divisible by EP x expert-TP x PP = 2 x 2 x 1"),
@@ -87,9 +95,6 @@ BAD_LAYOUTS = [
 
 # Rejected when the config object is built (no world size needed).
 BAD_FIELDS = [
-    ("EP=1 with expert-TP != TP (Megatron-Core gives wrong expert grads)",
-     lambda: ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=1),
-     r"expert_tensor_parallel_size 1 != tensor_model_parallel_size 2 with expert_model_parallel_size 1"),
     ("sequence parallel without TP", lambda: ParallelConfig(sequence_parallel=True),
      r"sequence_parallel=True needs tensor_model_parallel_size > 1"),
     ("virtual PP without PP", lambda: ParallelConfig(virtual_pipeline_model_parallel_size=2),

@@ -13,7 +13,7 @@ from pai_cookbook.core.checkpoints import checkpoint, families
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
 from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
-from tests.conftest import on_both_ends
+from tests.conftest import layout_for, on_both_ends
 
 MOE = {f for f in families.supported() if families.tiny(f).is_moe}
 # (TP, PP, EP): the TP x PP grid for every family; EP=2 (alone and with TP=2) for the MoE families.
@@ -39,9 +39,7 @@ SECOND_TIER_FAMILIES = ("llama", "mixtral")
 def test_logits_match_transformers_at_every_layout(family, converted, tmp_path):
     hf, ckpt, _ = converted[family]
     layouts = LAYOUTS + (MOE_LAYOUTS if family in MOE else [])
-    rows = parity.check_layouts(hf, ckpt, [ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                          expert_model_parallel_size=ep) for tp, pp, ep in layouts],
-                                run_dir=tmp_path)
+    rows = parity.check_layouts(hf, ckpt, [layout_for(family, tp, pp, ep) for tp, pp, ep in layouts], run_dir=tmp_path)
     assert [(r["tp"], r["pp"], r["ep"]) for r in rows] == layouts
     for row in rows:
         assert_parity(row)
@@ -94,7 +92,7 @@ def tiny_llama(tmp_path):
 def test_unknown_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ConfigError, match=r"unsupported architecture: model_type='gpt2'.*"
-                                          r"\['deepseek_v3', 'gemma3_text', 'glm4_moe', 'llama'"):
+                                          r"\['deepseek_v3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama'"):
         convert.inspect_hf(tmp_path)
 
 

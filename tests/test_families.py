@@ -58,7 +58,7 @@ def test_qwen2_moe_sparse_step_maps_to_a_layer_pattern():
 
 @pytest.mark.parametrize("bad, message", [
     ({"model_type": "gpt2"},
-     r"unsupported architecture: model_type='gpt2'.*supports \['deepseek_v3', 'gemma3_text', 'glm4_moe', 'llama'"),
+     r"unsupported architecture: model_type='gpt2'.*supports \['deepseek_v3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama'"),
 ])
 def test_unknown_architecture_lists_supported(bad, message):
     with pytest.raises(ConfigError, match=message):
@@ -106,7 +106,7 @@ def test_features_megatron_lacks_are_refused(overrides, message):
     ("glm4_moe", {"norm_topk_prob": False}, r"glm4_moe: norm_topk_prob=False"),
     ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                    "original_max_position_embeddings": 32768}},
-     r"rope_type='yarn' is not supported; .*'yarn' for \['deepseek_v3'\]"),
+     r"rope_type='yarn' is not supported; .*'yarn' for \['deepseek_v3', 'gpt_oss'\]"),
 ])
 def test_what_the_2026_families_do_that_megatron_core_cannot_is_refused(family, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -18,7 +18,7 @@ from pai_cookbook.core.checkpoints import checkpoint, families
 from pai_cookbook.core.configs.config import ConfigError, ParallelConfig
 from pai_cookbook.core.launching import launch
 from pai_cookbook.generate import GenerationConfig
-from tests.conftest import on_both_ends
+from tests.conftest import layout_for, on_both_ends
 
 NEW_TOKENS = 32
 # Prompts of different lengths in one batch (left-padded to the longest, the padding masked), two batches,
@@ -50,7 +50,7 @@ def first_launch(checkpoints, tmp_path_factory):
     jobs = []
     for family, (_, ckpt) in checkpoints.items():
         jobs += [generate.prepare(ckpt, RECORDS, GREEDY, TP1, f"{family} tp1"),
-                 generate.prepare(ckpt, RECORDS, GREEDY, TP2, f"{family} tp2")]
+                 generate.prepare(ckpt, RECORDS, GREEDY, layout_for(family, tp=2), f"{family} tp2")]
     llama = checkpoints["llama"][1]
     jobs += [generate.prepare(llama, RECORDS, PENALISED, TP2, "penalised tp2"),
              generate.prepare(llama, RECORDS, dataclasses.replace(GREEDY, kv_cache=False), TP1,

@@ -183,8 +183,13 @@ def test_layouts_match_single_process_for_20_steps_on_a_corpus(corpus, run_scena
 # shared expert, at TP=2 with sequence parallelism (an MoE model needs it at TP > 1) and at EP=2; GLM-4.5's half-rotating
 # heads with q/k/v biases and q/k norms, and the same router, likewise. Gemma 3's norms on the attention's and the MLP's
 # outputs, whose weights' gradients are summed over TP under sequence parallelism, its two rotary tables and its window,
-# at TP=2 with sequence parallelism and at PP=2 (one layer of each kind a stage).
+# at TP=2 with sequence parallelism and at PP=2 (one layer of each kind a stage). GPT-OSS's sinks (a parameter split
+# over TP by head), biases everywhere, clamped experts and YaRN, at TP=2 with sequence parallelism and EP=2 (its
+# experts at expert-TP 1) and at PP=2.
 NEW_FAMILY_LAYOUTS = {
+    "gpt_oss": [ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                               expert_tensor_parallel_size=1),
+                ParallelConfig(pipeline_model_parallel_size=2)],
     "gemma3_text": [ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
                     ParallelConfig(pipeline_model_parallel_size=2)],
     "qwen3": [ParallelConfig(tensor_model_parallel_size=2),

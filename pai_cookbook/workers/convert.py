@@ -43,9 +43,11 @@ class _HFReader:
     def __call__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        path = self.source.folder / self.source.tensors[name][0]
+        base, row = hf_mapping.stacked(name)  # a stacked expert's row is read alone
+        path = self.source.folder / self.source.tensors[base][0]
         with safe_open(path, framework="pt") as f:
-            return hf_mapping.check_finite(name, f.get_tensor(name), str(path))
+            return hf_mapping.check_finite(name, f.get_tensor(base) if row is None else f.get_slice(base)[row],
+                                           str(path))
 
 
 def _lazy_planner(model: ModelConfig, read: _HFReader, chunks: list[Chunk], padded_vocab: int):
@@ -72,7 +74,10 @@ def _lazy_planner(model: ModelConfig, read: _HFReader, chunks: list[Chunk], padd
             with lock:
                 if name not in self.live:
                     kind, hf_names = hf_mapping.hf_names(name, model)
-                    self.live[name] = hf_mapping.to_megatron(kind, [read(n) for n in hf_names], model, padded_vocab)
+                    built = hf_mapping.to_megatron(kind, [read(n) for n in hf_names], model, padded_vocab)
+                    if not built.is_contiguous() or built.storage_offset():  # a transposed or stacked expert's row:
+                        built = built.contiguous().clone()  # resolve_data's chunk views index its storage from 0
+                    self.live[name] = built
                 return self.live[name]
 
         errors: list[BaseException] = []  # a writer thread's exception ends only that thread: kept, raised after
@@ -155,6 +160,7 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
     head = checkpoint.head(ckpt)
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, files, weight_map, total = 0, [], {}, 0
+    rows: dict[str, dict[int, torch.Tensor]] = {}  # stacked experts' rows, until the layer's last expert comes
     writing: Future | None = None
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="safetensors-writer") as writer:
@@ -172,6 +178,13 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
             kind, hf_names = ("copy", ("score.weight",)) if head == "reward" and name == "output_layer.weight" \
                 else hf_mapping.hf_names(name, model)
             for hf_name, hf_tensor in zip(hf_names, hf_mapping.to_hf(kind, tensor, model)):
+                hf_name, row = hf_mapping.stacked(hf_name)
+                if row is not None:
+                    rows.setdefault(hf_name, {})[row] = hf_tensor.clone()  # the reader reuses its buffers
+                    if len(rows[hf_name]) < model.num_experts:
+                        continue
+                    hf_tensor = torch.stack([rows[hf_name][e] for e in range(model.num_experts)])
+                    del rows[hf_name]
                 size = hf_tensor.numel() * hf_tensor.element_size()
                 if shard_bytes and shard_bytes + size > max_shard_bytes:
                     flush()

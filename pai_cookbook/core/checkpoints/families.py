@@ -40,8 +40,8 @@ class Family:
     tiny: dict[str, Any] = field(default_factory=dict)
     """Extra transformers kwargs for the family's tiny test model."""
     activation_key: str = "hidden_act"
-    """The config.json key of the MLP's activation (Gemma's is `hidden_activation`, which `read` checks): "silu"
-    there, checked and written."""
+    """The config.json key of the MLP's activation: "silu" there, checked and written; another key (Gemma's
+    `hidden_activation`, GPT-OSS's `swiglu_limit`, whose `hidden_act` is unused) is `read`'s to check."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -143,6 +143,18 @@ FAMILIES: dict[str, Family] = {
               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}},
         activation_key="hidden_activation",
+    ),
+    # GPT-OSS's shapes, shrunk: heads 24 wide (gpt-oss: 64 heads of 64 over a width of 2,880), one sliding layer (window
+    # 8, shorter than the tests' sequences) and one full, YaRN x4 over 64 positions unrounded (truncate false, as the
+    # releases), 4 experts top-2, and the clamp at 0.1 (released: 7), which a tiny model's activations reach
+    "gpt_oss": Family(
+        "gpt_oss", "GptOssForCausalLM", read=family_fields.gpt_oss_read, write=family_fields.gpt_oss_write,
+        tiny={"head_dim": 24, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+              "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "swiglu_limit": 0.1,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False}},
+        activation_key="swiglu_limit",
     ),
 }
 
@@ -286,7 +298,9 @@ def to_hf(model: ModelConfig, base: dict[str, Any] | None = None) -> Any:
     )
     if family.activation_key == "hidden_act":
         kwargs["hidden_act"] = "silu"
-    kept = {k: v for k, v in (base or {}).items() if k not in ("model_type", "transformers_version")}
+    # the cookbook writes unquantized weights: a source's quantization_config (GPT-OSS's MXFP4) would misdescribe them
+    kept = {k: v for k, v in (base or {}).items() if k not in ("model_type", "transformers_version",
+                                                               "quantization_config")}
     return AutoConfig.for_model(family.name, **(kept | kwargs | family.write(model)))
 
 

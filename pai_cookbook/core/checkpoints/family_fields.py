@@ -11,8 +11,8 @@ from typing import Any
 
 from pai_cookbook.core.configs.config import ConfigError, ModelConfig
 
-# Families whose attention Megatron-Core builds with YaRN rotary scaling (multi-latent attention's).
-YARN_FAMILIES = {"deepseek_v3"}
+# Families whose rotary Megatron-Core builds with YaRN scaling: multi-latent attention's (DeepSeek-V3), GPTModel's (GPT-OSS).
+YARN_FAMILIES = {"deepseek_v3", "gpt_oss"}
 # Megatron-Core's Llama 3 rotary scaling has these constants built in (rotary_pos_embedding._apply_scaling).
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -47,20 +47,23 @@ def rotary(hf: Any) -> dict[str, Any]:
                               f"{MCORE_LLAMA3_ROPE}; this checkpoint's positions cannot be reproduced exactly.")
         return out | {"rope_scaling_factor": float(params["factor"])}
     if rope_type == "yarn" and hf.model_type in YARN_FAMILIES:
-        return out | {"yarn": yarn(params, hf)}
+        return out | {"yarn": yarn(params, hf, unrounded=hf.model_type == "gpt_oss")}
     raise ConfigError(f"rotary scaling rope_type={rope_type!r} is not supported; supported: 'default', 'llama3' "
                       f"(and 'yarn' for {sorted(YARN_FAMILIES)}, whose multi-latent attention Megatron-Core builds "
                       f"with YaRN).")
 
 
-def yarn(params: dict[str, Any], hf: Any) -> dict[str, float]:
-    """YaRN's fields as Megatron-Core's multi-latent attention takes them (`ModelConfig.yarn`), from HF rope_parameters.
+def yarn(params: dict[str, Any], hf: Any, unrounded: bool = False) -> dict[str, float]:
+    """YaRN's fields as Megatron-Core takes them (`ModelConfig.yarn`), from HF rope_parameters.
 
     HF scales cos/sin by get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both are set, else by
     get_mscale(factor); Megatron-Core always takes the ratio. Both set, or mscale_all_dim unset (then mscale=1,
-    mscale_all_dim=0 gives HF's get_mscale(factor)), reproduce HF; anything else is refused."""
+    mscale_all_dim=0 gives HF's get_mscale(factor)), reproduce HF; anything else is refused. `truncate` (transformers
+    rounds the correction range to whole dimensions unless it is false, as GPT-OSS's is) is kept where `unrounded`
+    (GPTModel's YaRN takes it), refused otherwise."""
     refused = {k: params[k] for k in ("attention_factor",) if params.get(k) is not None}
-    if params.get("truncate", True) is False:
+    truncate = params.get("truncate", True) is not False
+    if not truncate and not unrounded:
         refused["truncate"] = False
     factor = params.get("factor") or hf.max_position_embeddings / params["original_max_position_embeddings"]
     mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
@@ -73,7 +76,8 @@ def yarn(params: dict[str, Any], hf: Any) -> dict[str, float]:
     both = bool(mscale and all_dim)
     return {"factor": float(factor), "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
             "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
-            "mscale": float(mscale) if both else 1.0, "mscale_all_dim": float(all_dim) if both else 0.0}
+            "mscale": float(mscale) if both else 1.0, "mscale_all_dim": float(all_dim) if both else 0.0} | (
+        {"truncate": int(truncate)} if unrounded else {})
 
 
 def grouped_sigmoid_router(hf: Any) -> dict[str, Any]:
@@ -213,3 +217,48 @@ def gemma3_write(m: Any) -> dict[str, Any]:
             "layer_types": ["sliding_attention" if flag else "full_attention" for flag in m.sliding_window_layers],
             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": m.local_rotary_base},
                                 "full_attention": full}}
+
+
+# GPT-OSS's gate activation is x * sigmoid(swiglu_alpha * x); Megatron-Core's quick_gelu has 1.702 built in.
+GPT_OSS_ALPHA = 1.702
+
+
+def gpt_oss_read(hf: Any) -> dict[str, Any]:
+    """GPT-OSS: biases on every attention projection, the router and the experts; a learned sink per head; layers
+    alternating a sliding window with full attention (`layer_types`); YaRN; every layer a mixture of experts whose
+    router takes a softmax over its top-k logits and whose experts gate by x * sigmoid(1.702 x), clamped at
+    swiglu_limit, the linear half plus one. Released checkpoints store the experts in MXFP4, dequantized on
+    conversion (`core.checkpoints.mxfp4`)."""
+    quantization = getattr(hf, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    if method not in (None, "mxfp4"):
+        raise ConfigError(f"gpt_oss: quantization_config quant_method={method!r}; the cookbook converts bf16/fp32 "
+                          f"weights and the released MXFP4 experts. Dequantize it first.")
+    alpha = getattr(hf, "swiglu_alpha", GPT_OSS_ALPHA)
+    if alpha != GPT_OSS_ALPHA:
+        raise ConfigError(f"gpt_oss: swiglu_alpha={alpha}; Megatron-Core's quick GELU has {GPT_OSS_ALPHA} built in "
+                          f"(every released GPT-OSS's), so this checkpoint's MLPs cannot be reproduced exactly.")
+    kinds = list(hf.layer_types)
+    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"gpt_oss: layer types {unknown}; the cookbook builds sliding_attention and full_attention.")
+    if not hf.attention_bias:
+        raise ConfigError("gpt_oss: attention_bias=False; Megatron-Core gives the router and the experts biases "
+                          "together with the attention's (add_bias_linear), as every released GPT-OSS has them.")
+    return {"activation": "quick_geglu", "glu_clamp": float(hf.swiglu_limit), "glu_linear_offset": 1.0,
+            "attention_sinks": True, "add_bias_linear": True, "sliding_window": hf.sliding_window,
+            "sliding_window_layers": [int(kind == "sliding_attention") for kind in kinds],
+            "num_experts": hf.num_local_experts, "moe_router_topk": hf.num_experts_per_tok,
+            "moe_ffn_hidden_size": hf.intermediate_size, "moe_aux_loss_coeff": 0.0,
+            "moe_router_load_balancing_type": "none"}
+
+
+def gpt_oss_write(m: Any) -> dict[str, Any]:
+    rope = {"rope_type": "default", "rope_theta": m.rotary_base}
+    if m.yarn is not None:  # the keys a GPT-OSS config.json has (mscale's are Megatron-Core's spelling of their absence)
+        rope |= {"rope_type": "yarn", "truncate": bool(m.yarn.get("truncate", 1))} | {
+            k: m.yarn[k] for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")}
+    return {"num_local_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+            "intermediate_size": m.moe_ffn_hidden_size, "swiglu_limit": m.glu_clamp, "attention_bias": True,
+            "sliding_window": m.sliding_window, "rope_parameters": rope,
+            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in m.sliding_window_layers]}

@@ -11,7 +11,11 @@ The traps, each a `kind` below:
 - `gate_up`: SwiGLU's fc1 is cat(gate, up); Megatron applies silu to the first half.
 - `vocab`: embedding and output rows are padded to `ModelConfig.padded_vocab_size(TP)` with zeros, and
   cut back on export. (A zero output row gives logit 0 for a token id that never occurs.)
-- `copy`: the same tensor (norms, o_proj, down_proj, router, QK norms, shared-expert gate).
+- `copy`: the same tensor (norms, o_proj, down_proj, router, QK norms, shared-expert gate, attention sinks).
+- Experts stored stacked (GPT-OSS: one `[experts, in, out]` tensor per projection, `x @ W`'s orientation, its gate and
+  up columns interleaved): the Hugging Face name `name[e]` is row e of the stacked tensor `name`. `gate_up_t` is
+  such a row transposed, its even rows the gate and its odd rows the up projection (`gate_up_i` the same for a bias),
+  `transpose` a down projection's row; the export stacks the rows back (`stacked`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ RULES: tuple[Rule, ...] = (
          tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
     Rule(_L + r"self_attention\.linear_qkv\.bias", tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
     Rule(_L + r"self_attention\.linear_proj\.weight", (_H + "self_attn.o_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_proj\.bias", (_H + "self_attn.o_proj.bias",), "copy"),
+    Rule(_L + r"self_attention\.core_attention\.softmax_offset", (_H + "self_attn.sinks",), "copy"),
     Rule(_L + r"self_attention\.k_layernorm\.weight", (_H + "self_attn.k_norm.weight",), "copy"),
     # multi-latent attention (DeepSeek-V3): both sides lay each head out as [no-rotary part, rotary part] (queries,
     # keys) and [no-rotary key part, value] (the key/value up-projection), and the key/value down-projection as
@@ -63,7 +69,8 @@ RULES: tuple[Rule, ...] = (
     Rule(_L + r"mlp\.post_layernorm\.weight", (_H + "post_feedforward_layernorm.weight",), "copy"),
     Rule(_L + r"mlp\.linear_fc1\.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
     Rule(_L + r"mlp\.linear_fc2\.weight", (_H + "mlp.down_proj.weight",), "copy"),
-    Rule(_L + r"mlp\.router\.weight", (_H + "{moe}.gate.weight",), "copy"),
+    Rule(_L + r"mlp\.router\.weight", (_H + "{moe}.{router}.weight",), "copy"),
+    Rule(_L + r"mlp\.router\.bias", (_H + "{moe}.{router}.bias",), "copy"),
     Rule(_L + r"mlp\.router\.expert_bias", (_H + "{moe}.gate.e_score_correction_bias",), "copy"),
     Rule(_L + _EXPERT + r"linear_fc1\.weight", (_H + "{moe}.experts.{e}.{gate}.weight",
                                                 _H + "{moe}.experts.{e}.{up}.weight"), "gate_up"),
@@ -74,10 +81,19 @@ RULES: tuple[Rule, ...] = (
     Rule(_L + r"mlp\.shared_experts\.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "copy"),
 )
 
+# Experts stored stacked, one tensor per projection for all of a layer's experts (GPT-OSS); checked before RULES.
+STACKED_EXPERT_RULES: tuple[Rule, ...] = (
+    Rule(_L + _EXPERT + r"linear_fc1\.weight", (_H + "mlp.experts.gate_up_proj[{e}]",), "gate_up_t"),
+    Rule(_L + _EXPERT + r"linear_fc1\.bias", (_H + "mlp.experts.gate_up_proj_bias[{e}]",), "gate_up_i"),
+    Rule(_L + _EXPERT + r"linear_fc2\.weight", (_H + "mlp.experts.down_proj[{e}]",), "transpose"),
+    Rule(_L + _EXPERT + r"linear_fc2\.bias", (_H + "mlp.experts.down_proj_bias[{e}]",), "copy"),
+)
+STACKED_EXPERTS = {"gpt_oss"}
+
 # How each family names its MoE block and expert projections on disk (the hub format, which is also
 # what transformers 5 writes with save_pretrained).
 _DENSE_NAMES = {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "shared": "shared_expert",
-                "q_norm": "q_norm", "pre_mlp_norm": "post_attention_layernorm"}
+                "q_norm": "q_norm", "pre_mlp_norm": "post_attention_layernorm", "router": "gate"}
 _MOE_NAMES = {
     "mixtral": _DENSE_NAMES | {"moe": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
     "qwen2_moe": _DENSE_NAMES,
@@ -87,6 +103,7 @@ _MOE_NAMES = {
     "glm4_moe": _DENSE_NAMES | {"shared": "shared_experts"},
     # the norm before the MLP (post_attention_layernorm is the one on the attention's output)
     "gemma3_text": _DENSE_NAMES | {"pre_mlp_norm": "pre_feedforward_layernorm"},
+    "gpt_oss": _DENSE_NAMES | {"router": "router"},
 }
 
 
@@ -97,12 +114,28 @@ class UnmappedParameter(KeyError):
 def hf_names(megatron_name: str, model: ModelConfig) -> tuple[str, tuple[str, ...]]:
     """(kind, HF tensor names) that make the Megatron parameter `megatron_name`."""
     names = _MOE_NAMES.get(model.family, _DENSE_NAMES)
-    for rule in RULES:
+    for rule in (STACKED_EXPERT_RULES if model.family in STACKED_EXPERTS else ()) + RULES:
         match = re.fullmatch(rule.megatron, megatron_name)
         if match:
             return rule.kind, tuple(h.format(**match.groupdict(), **names) for h in rule.hf)
     raise UnmappedParameter(f"no Hugging Face mapping for Megatron parameter {megatron_name!r} "
                             f"(family {model.family})")
+
+
+def stacked(hf_name: str) -> tuple[str, int | None]:
+    """(the tensor's name, the row) of a stacked expert's `name[e]`; (hf_name, None) for any other name."""
+    match = re.fullmatch(r"(.+)\[(\d+)\]", hf_name)
+    return (match[1], int(match[2])) if match else (hf_name, None)
+
+
+def _interleave(tensor: torch.Tensor) -> torch.Tensor:
+    """[gate; up] (Megatron's fc1 rows) -> rows alternating gate, up (GPT-OSS's columns): `_deinterleave`'s inverse."""
+    gate, up = torch.chunk(tensor, 2, dim=0)
+    return torch.stack([gate, up], dim=1).reshape(tensor.shape)
+
+
+def _deinterleave(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.cat([tensor[0::2], tensor[1::2]], dim=0)
 
 
 def _qkv_geometry(model: ModelConfig) -> tuple[int, int, int]:
@@ -116,6 +149,12 @@ def to_megatron(kind: str, tensors: list[torch.Tensor], model: ModelConfig, padd
         return tensors[0]
     if kind == "gate_up":
         return torch.cat(tensors, dim=0)
+    if kind == "gate_up_t":
+        return _deinterleave(tensors[0].t())
+    if kind == "gate_up_i":
+        return _deinterleave(tensors[0])
+    if kind == "transpose":
+        return tensors[0].t()
     if kind == "qkv":
         groups, q_rows, head_dim = _qkv_geometry(model)
         q, k, v = tensors
@@ -161,6 +200,12 @@ def to_hf(kind: str, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Ten
         return [tensor]
     if kind == "gate_up":
         return list(torch.chunk(tensor, 2, dim=0))
+    if kind == "gate_up_t":
+        return [_interleave(tensor).t()]
+    if kind == "gate_up_i":
+        return [_interleave(tensor)]
+    if kind == "transpose":
+        return [tensor.t()]
     if kind == "qkv":
         groups, q_rows, head_dim = _qkv_geometry(model)
         rest = tensor.shape[1:]
@@ -192,7 +237,10 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "mlp.down_proj.weight": (h, f)}
             continue
         f, moe = model.moe_ffn_hidden_size or model.ffn_hidden_size, names["moe"]
-        shapes[p + f"{moe}.gate.weight"] = (model.num_experts, h)
+        shapes[p + f"{moe}.{names['router']}.weight"] = (model.num_experts, h)
+        if model.family in STACKED_EXPERTS:
+            shapes |= _stacked_expert_shapes(model, p, f)
+            continue
         for e in range(model.num_experts):
             x = p + f"{moe}.experts.{e}."
             shapes |= {x + f"{names['gate']}.weight": (f, h), x + f"{names['up']}.weight": (f, h),
@@ -207,14 +255,26 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _stacked_expert_shapes(model: ModelConfig, p: str, f: int) -> dict[str, tuple[int, ...]]:
+    """GPT-OSS's router bias and stacked experts ([experts, in, out], with biases)."""
+    e, h = model.num_experts, model.hidden_size
+    x = p + "mlp.experts."
+    return {p + "mlp.router.bias": (e,), x + "gate_up_proj": (e, h, 2 * f), x + "gate_up_proj_bias": (e, 2 * f),
+            x + "down_proj": (e, f, h), x + "down_proj_bias": (e, h)}
+
+
 def _attention_shapes(model: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     h, d = model.hidden_size, model.head_dim
     q_out, kv_out = model.num_attention_heads * d, model.query_groups * d
     shapes = {p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
               p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out)}
-    if model.add_qkv_bias:
+    if model.add_qkv_bias or model.add_bias_linear:
         shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
                    p + "self_attn.v_proj.bias": (kv_out,)}
+    if model.add_bias_linear:
+        shapes[p + "self_attn.o_proj.bias"] = (h,)
+    if model.attention_sinks:
+        shapes[p + "self_attn.sinks"] = (model.num_attention_heads,)
     if model.qk_layernorm:
         shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     return shapes

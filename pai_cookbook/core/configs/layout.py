@@ -49,13 +49,6 @@ class ParallelConfig:
                  f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs "
                  f"pipeline_model_parallel_size > 1, got {self.pipeline_model_parallel_size}; "
                  f"set it to None or raise PP.")
-        # Measured on megatron-core 0.16.1: with EP=1 and expert-TP != TP the expert gradients are
-        # all-reduced across different expert shards, so they are silently wrong.
-        require(self.expert_model_parallel_size > 1 or self.expert_tp == self.tensor_model_parallel_size,
-                 f"expert_tensor_parallel_size {self.expert_tp} != tensor_model_parallel_size "
-                 f"{self.tensor_model_parallel_size} with expert_model_parallel_size 1 gives wrong expert "
-                 f"gradients in Megatron-Core; use expert_model_parallel_size > 1 or set "
-                 f"expert_tensor_parallel_size equal to TP.")
 
     @property
     def expert_tp(self) -> int:
@@ -137,6 +130,10 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
         require(m.num_experts % ep == 0,
                  f"num_experts {m.num_experts} is not divisible by EP={ep}; each EP rank holds "
                  f"num_experts / EP whole experts. Use EP in {divisors(m.num_experts)}.")
+        require(not m.add_bias_linear or etp == 1,
+                 f"{m.family}: experts with biases are built by Megatron-Core at expert_tensor_parallel_size 1 only, got "
+                 f"{etp} (None means TP's, {tp}); set expert_tensor_parallel_size=1" + (
+                     ", and to train at TP > 1 expert_model_parallel_size > 1." if tp > 1 else "."))
         require(world % (ep * etp * pp) == 0,
                  f"world size {world} is not divisible by EP x expert-TP x PP = {ep} x {etp} x {pp}.")
         require(m.moe_token_dispatcher_type != "flex" or getattr(device, "is_cuda", True),
@@ -144,6 +141,12 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
         require(not (m.moe_grouped_gemm and device is not None and not device.is_cuda),
                  "moe_grouped_gemm=True needs CUDA (grouped_gemm or Transformer Engine); set it to None "
                  "to run experts as a per-expert loop on CPU.")
+        # Measured on megatron-core 0.16.1: with EP=1 and expert-TP != TP the expert gradients are all-reduced across
+        # different expert shards, so they are silently wrong (a forward is right: loading, scoring, generating).
+        require(purpose != "train" or ep > 1 or etp == tp,
+                 f"expert_tensor_parallel_size {etp} != tensor_model_parallel_size {tp} with expert_model_parallel_size "
+                 f"1 gives wrong expert gradients in Megatron-Core; to train, use expert_model_parallel_size > 1 or set "
+                 f"expert_tensor_parallel_size equal to TP.")
         # Megatron-Core's MoE layer raises this in the first training forward (inference is fine without SP).
         require(purpose != "train" or tp == 1 or p.sequence_parallel,
                  f"training an MoE model at TP={tp} needs sequence_parallel=True (each TP rank routes its own "

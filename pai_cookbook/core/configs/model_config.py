@@ -84,9 +84,18 @@ class ModelConfig:
     """Token embeddings are multiplied by it, rounded to the parameters' dtype first (Gemma: sqrt(hidden_size))."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     norm_epsilon: float = 1e-5
-    activation: Literal["swiglu", "gelu", "geglu"] = "swiglu"
+    activation: Literal["swiglu", "gelu", "geglu", "quick_geglu"] = "swiglu"
     """MLP activation; swiglu means gated SiLU with gate and up projections, geglu gated GELU with tanh's
-    approximation (Gemma's gelu_pytorch_tanh)."""
+    approximation (Gemma's gelu_pytorch_tanh), quick_geglu the gate through x * sigmoid(1.702 x) (GPT-OSS's)."""
+    glu_clamp: float | None = None
+    """Gated MLPs: the gate half clamped from above and the linear half to [-glu_clamp, glu_clamp], after the bias and
+    before the product (GPT-OSS's swiglu_limit, 7); None: unclamped."""
+    glu_linear_offset: float = 0.0
+    """Added to a gated MLP's linear half before the product (GPT-OSS: 1)."""
+    attention_sinks: bool = False
+    """A learned logit per query head that every row of attention scores takes beside its keys: it takes probability
+    from the keys and gives no value back, so a head may attend to nothing (GPT-OSS's sinks; Megatron-Core's
+    softmax_type 'learnable')."""
     add_qkv_bias: bool = False
     """Bias on the QKV projection only (Qwen2)."""
     add_bias_linear: bool = False
@@ -109,9 +118,10 @@ class ModelConfig:
     v_head_dim: int = 128
     """Width of each value head."""
     yarn: dict[str, float] | None = None
-    """YaRN rotary scaling (DeepSeek-V3's 128k context) in Megatron-Core's terms: factor,
-    original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim; None: plain rotary. With
-    multi-latent attention only."""
+    """YaRN rotary scaling (DeepSeek-V3's and GPT-OSS's 128k context) in Megatron-Core's terms: factor,
+    original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, and without multi-latent attention
+    `truncate` (1: the correction range rounded to whole dimensions, transformers' default; 0: not, GPT-OSS's); None:
+    plain rotary. Multi-latent attention builds its own; other attention takes GPTModel's YaRN rotary."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output layer (small Qwen2 models)."""
     hidden_dropout: float = 0.0
@@ -226,10 +236,12 @@ class ModelConfig:
             require(self.kv_channels == self.qk_head_dim + self.qk_pos_emb_head_dim,
                      f"with multi-latent attention kv_channels is the query/key head width qk_head_dim + "
                      f"qk_pos_emb_head_dim = {self.qk_head_dim + self.qk_pos_emb_head_dim}, got {self.kv_channels}.")
-        require(self.yarn is None or self.multi_latent_attention,
-                 "yarn rotary scaling is built by Megatron-Core's multi-latent attention only; this model has "
-                 "multi_latent_attention=False. Remove yarn (and use the model's original context) or use a family "
-                 "with multi-latent attention.")
+        require(self.yarn is None or not self.multi_latent_attention or self.yarn.get("truncate", 1) == 1,
+                 "yarn with truncate=0 (an unrounded correction range) is built by GPTModel's YaRN rotary, not by "
+                 "multi-latent attention's; remove truncate or set it to 1.")
+        require((self.glu_clamp is None and self.glu_linear_offset == 0.0) or self.gated,
+                 f"glu_clamp and glu_linear_offset shape a gated MLP's halves; activation {self.activation!r} is not "
+                 f"gated.")
         if self.num_experts is not None and self.moe_router_num_groups is not None:
             groups, picked = self.moe_router_num_groups, self.moe_router_group_topk
             require(self.num_experts % groups == 0 and picked is not None and 0 < picked <= groups,
@@ -257,7 +269,7 @@ class ModelConfig:
     @property
     def gated(self) -> bool:
         """Whether the MLP is gated (a gate and an up projection: SwiGLU, GeGLU)."""
-        return self.activation in ("swiglu", "geglu")
+        return self.activation in ("swiglu", "geglu", "quick_geglu")
 
     @property
     def is_moe(self) -> bool:

@@ -16,8 +16,13 @@ Transformer Engine, flash or memory-efficient kernels): same parameters (none), 
 - Sliding windows (`TransformerConfig.window_size`, on the layers Megatron-Core gives one): the window's mask
   joined to the mask given or to the causal one (upstream's unfused softmax puts the window's mask in place of a
   given one, so padded and packed rows would see across their boundaries).
+- Attention sinks (`TransformerConfig.softmax_type="learnable"`, GPT-OSS): each head's learned logit joins every row
+  of scores as one more column, and its probability is dropped after the softmax, as transformers computes it; the
+  scores are materialised (the fused kernel takes no such column), masked as above (upstream's unfused softmax
+  takes the sinks but, on a sliding-window layer, its window's mask in place of the padding's).
 - What it does not cover falls back to Megatron-Core's own forward, unchanged: attention dropout while
-  training (its mask is drawn from Megatron-Core's RNG tracker), softmax variants with an offset, attention bias.
+  training (its mask is drawn from Megatron-Core's RNG tracker), the other softmax with an offset ("off-by-one"),
+  attention bias.
 
 `core.modeling.layer_spec.layer_spec` swaps it in wherever the local spec's `DotProductAttention` is used, unless the model
 asks for the unfused one (`ModelConfig.attention_backend="unfused"`, as the parity tests do).
@@ -42,9 +47,26 @@ class SplitWidthAttention(DotProductAttention):
     softmax are upstream's (the softmax scale is given); its output is heads x v_channels wide."""
 
     def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        state = torch.random.get_rng_state()
         super().__init__(*args, **kwargs)
         if v_channels is not None:
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+        if isinstance(self.softmax_offset, torch.nn.Parameter) and self.config.perform_initialization:
+            torch.random.set_rng_state(state)
+            self._draw_sinks_whole()
+
+    def _draw_sinks_whole(self) -> None:
+        """The attention sinks drawn for every head and this rank's heads kept, as Megatron-Core draws a linear's
+        weight whole on the CPU: upstream draws each rank's heads alone, from the same stream, so TP=2's ranks got the
+        same sinks and a seed gave a different model at every TP."""
+        from megatron.core import parallel_state
+
+        part = self.softmax_offset.numel()
+        whole = self.config.init_method(torch.empty(part * parallel_state.get_tensor_model_parallel_world_size(),
+                                                    dtype=self.softmax_offset.dtype))
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        with torch.no_grad():
+            self.softmax_offset.copy_(whole[rank * part:(rank + 1) * part])
 
 
 class SDPAttention(SplitWidthAttention):
@@ -53,7 +75,7 @@ class SDPAttention(SplitWidthAttention):
     def _fused(self) -> bool:
         dropout = self.training and self.attention_dropout.p > 0
         layer_scaling = self.scale_mask_softmax.scale is not None  # apply_query_key_layer_scaling
-        return not dropout and not layer_scaling and self.softmax_offset is None
+        return not dropout and not layer_scaling and (self.softmax_offset is None or self.config.softmax_type == "learnable")
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -66,15 +88,21 @@ class SDPAttention(SplitWidthAttention):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         mask, causal = None, False
         window = self.scale_mask_softmax.window_size  # Megatron-Core's choice for this layer (window_attn_skip_freq)
+        sinks = self.softmax_offset
         if attention_mask is not None:
             mask = ~attention_mask  # the kernel's convention: True attends
         elif self.attn_mask_type == AttnMaskType.causal and sq > 1:
             if sq != sk:
                 raise ValueError(f"causal attention without a mask needs as many queries as keys ({sq} vs {sk})")
-            causal = window is None
+            causal = window is None and sinks is None
+            if sinks is not None:
+                mask = ~outside_window(sq, sk, (sk, 0), q.device)  # causal
         if window is not None:  # with the mask given (padding, packed rows), not in its place as upstream's softmax
             outside = outside_window(sq, sk, window, q.device)
             mask = ~outside if mask is None else mask & ~outside
+        if sinks is not None:
+            out = sink_attention(q, k, v, mask, self.softmax_scale, sinks)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, heads * out.shape[-1])
         # Multi-latent attention's values are narrower than its queries and keys, and the fused kernels take one width
         # (PyTorch's CPU kernel falls back to materialised scores, in fp32, otherwise): the values are padded with
         # zeros, which add zero columns to the output, cut off after (as Megatron-Core pads them for its MLA kernels).
@@ -88,6 +116,23 @@ class SDPAttention(SplitWidthAttention):
             out = out[..., :-pad]
         # [b, n, sq, d_v] -> [sq, b, n * d_v]
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * out.shape[-1])
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a learned sink logit per head ([b, n, s, d] queries, keys and values with n or fewer heads;
+    `mask` True attends): the scores `q k^T * scale`, masked, with each head's sink as one more column, softmax (in
+    fp32, as Megatron-Core's attention_softmax_in_fp32), the sink's column dropped, times the values. A row masked
+    whole gives the sink all its probability and the output zeros (no NaN)."""
+    b, heads, sq, _ = q.shape
+    if k.shape[1] != heads:  # grouped-query attention: each key/value head serves heads / groups query heads
+        k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(b, -1, sq, 1)
+    probabilities = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1]
+    return torch.matmul(probabilities.to(v.dtype), v)
 
 
 def outside_window(sq: int, sk: int, window: tuple[int, int], device) -> torch.Tensor:

@@ -74,10 +74,32 @@ def _seeded_experts_class(base):
 
             seeded = dataclasses.replace(submodules, linear_fc1=SeededFirstLinear)
             super().__init__(num_local_experts, config, seeded, *args, **kwargs)
+            for expert in getattr(self, "local_experts", []):
+                _expert_output_bias(expert.linear_fc2)
             # What the layer builds next (shared expert) draws from a stream that is the same at every EP.
             torch.random.default_generator.manual_seed(layer_seed * _EXPERT_SEED_STRIDE + config.num_moe_experts)
 
     return SeededExperts
+
+
+def _expert_output_bias(fc2) -> None:
+    """An expert's output projection with a bias (GPT-OSS's), set right on Megatron-Core's local spec:
+
+    - Its bias is not sequence-parallel: upstream marks it so under sequence parallelism, as a dense layer's, and the
+      gradients are then summed over the tensor-parallel group, whose ranks hold other experts (measured: TP=2 with
+      sequence parallelism and EP=2 drifted 4e-4 from one process by step 2; each expert's gradient is whole already,
+      its tokens dispatched to it from every rank).
+    - On one expert-TP rank and no expert parallelism, it is marked as doing its own communication, as it is at EP > 1
+      (there is none to do): `MLP.forward` adds an expert's bias to the projection's output in place, and that output
+      was the tensor-parallel reduce's over one rank, which hands its input back as a view that autograd forbids
+      changing in place (training failed at the first step)."""
+    from megatron.core.utils import get_pg_size
+
+    if fc2.bias is None:
+        return
+    fc2.bias.sequence_parallel = False
+    if get_pg_size(fc2.tp_group) == 1 and not fc2.explicit_expert_comm:
+        fc2.explicit_expert_comm = True
 
 
 class Converters(Protocol):
@@ -190,5 +212,6 @@ def _local_swaps(spec, model: ModelConfig) -> None:
     if attention.core_attention is DotProductAttention:
         if model.attention_backend == "sdpa":
             attention.core_attention = SDPAttention
-        elif model.multi_latent_attention:  # upstream's takes no head widths of its own (`latent_attention`)
+        elif model.multi_latent_attention or model.attention_sinks:
+            # upstream's takes no head widths of its own (`latent_attention`) and draws sinks per rank
             attention.core_attention = SplitWidthAttention

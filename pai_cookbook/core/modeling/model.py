@@ -32,6 +32,13 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def activation_function(name: str):
+    """The activation of `ModelConfig.activation` (for a gated MLP, the gate's)."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return {"swiglu": F.silu, "geglu": gelu_tanh, "quick_geglu": quick_gelu}.get(name, F.gelu)
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
                        device: DeviceInfo, memory: MemoryConfig | None = None):
     """Translate the cookbook's configs into Megatron-Core's `TransformerConfig`.
@@ -54,7 +61,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.gated,
-        activation_func={"swiglu": F.silu, "geglu": gelu_tanh}.get(model.activation, F.gelu),
+        activation_func=activation_function(model.activation),
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
@@ -73,7 +80,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         fp16=precision.dtype == "fp16",
         use_cpu_initialization=True,
         bias_activation_fusion=fused and model.activation == "swiglu",
-        apply_rope_fusion=fused,
+        apply_rope_fusion=fused and model.yarn is None,  # Megatron-Core's fused rotary refuses YaRN's scale
         gradient_accumulation_fusion=fused,
         masked_softmax_fusion=fused,
         persist_layer_norm=fused,
@@ -82,6 +89,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
     )
     if model.sliding_window:  # Hugging Face's window W: a query sees itself and the W - 1 keys before it
         kwargs.update(window_size=(model.sliding_window - 1, 0), window_attn_skip_freq=model.sliding_window_layers)
+    if model.glu_clamp is not None:
+        kwargs.update(activation_func_clamp_value=model.glu_clamp)
+    if model.glu_linear_offset:
+        kwargs.update(glu_linear_offset=model.glu_linear_offset)
+    if model.attention_sinks:
+        kwargs.update(softmax_type="learnable")
     if model.query_pre_attn_scalar is not None:
         kwargs.update(softmax_scale=model.query_pre_attn_scalar ** -0.5)
     if model.norm_plus_one and device.transformer_engine:  # Transformer Engine's norms take (1 + weight) so
@@ -128,7 +141,26 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
     if model.multi_latent_attention:
         kwargs["apply_rope_fusion"] = fused and model.yarn is not None  # Megatron-Core fuses MLA's YaRN rotary only
         return MLATransformerConfig(**kwargs, **_mla_fields(model))
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if model.yarn is not None:
+        _yarn_fields(config, model.yarn)
+    return config
+
+
+def _yarn_fields(config, yarn: dict) -> None:
+    """GPTModel's YaRN rotary (`position_embedding_type="yarn"`) and its attention read these from the config, which
+    does not declare them: set on the instance. Read where missing, the attention's scale would silently be 1."""
+    config.yarn_rotary_scaling_factor = yarn["factor"]
+    config.yarn_original_max_position_embeddings = int(yarn["original_max_position_embeddings"])
+    config.yarn_beta_fast, config.yarn_beta_slow = yarn["beta_fast"], yarn["beta_slow"]
+    config.yarn_mscale, config.yarn_mscale_all_dim = yarn["mscale"], yarn["mscale_all_dim"]
+    config.yarn_correction_range_round_to_int = bool(yarn.get("truncate", 1))
+
+
+def position_embedding_type(model: ModelConfig) -> str:
+    """GPTModel's position embedding: YaRN's rotary where the model scales it so (multi-latent attention builds its
+    own), else the model's."""
+    return "yarn" if model.yarn is not None and not model.multi_latent_attention else model.position_embedding_type
 
 
 def _mla_fields(model: ModelConfig) -> dict:
@@ -189,7 +221,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=model.tie_word_embeddings and head == "lm",
-            position_embedding_type=model.position_embedding_type,
+            position_embedding_type=position_embedding_type(model),
             rotary_percent=model.rotary_percent,
             rotary_base=int(model.rotary_base),
             rope_scaling=model.rope_scaling_factor is not None,
