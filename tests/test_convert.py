@@ -83,6 +83,41 @@ def test_checkpoint_saved_at_one_layout_loads_at_another(family, saved_at, loade
     assert convert.compare_hf_checkpoints(hf, export)["bitwise_identical"]
 
 
+def test_gpt_oss_experts_released_in_mxfp4_convert_as_transformers_dequantizes_them(tmp_path):
+    """GPT-OSS as OpenAI released it (experts in MXFP4 blocks and scales, config.json saying so): converted, its logits
+    equal to transformers' on that folder (which dequantizes on a CPU), exported unquantized with every tensor equal to
+    the one transformers loads, and the quantization_config dropped; a scales tensor of the wrong shape is refused
+    by name before any worker starts."""
+    from safetensors.torch import load_file
+
+    from pai_cookbook.core.measures.logit_parity import hf_model
+    from pai_cookbook.fixtures.tiny_models import store_experts_in_mxfp4
+
+    release = store_experts_in_mxfp4(make_tiny_hf_model("gpt_oss", tmp_path / "release"))
+    stored = json.loads((release / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in stored and "model.layers.0.mlp.experts.gate_up_proj" not in stored
+    convert.hf_to_megatron(release, tmp_path / "mcore")
+    assert_parity(parity.check(release, tmp_path / "mcore", ParallelConfig(), run_dir=tmp_path / "parity"))
+    convert.megatron_to_hf(tmp_path / "mcore", tmp_path / "back")
+    exported = {}
+    for shard in (tmp_path / "back").glob("*.safetensors"):
+        exported |= load_file(shard)
+    loaded = hf_model(release).state_dict()
+    assert sorted(exported) == sorted(loaded)
+    assert all(torch.equal(exported[name], loaded[name]) for name in loaded)
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+
+    from safetensors.torch import save_file
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    shard = release / stored[name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"model.layers.1.mlp.experts.down_proj is stored in MXFP4, which needs "
+                                          r"model.layers.1.mlp.experts.down_proj_scales of shape \[4, 64, 1\] in U8"):
+        convert.inspect_hf(release)
+
+
 # ---------------------------------------------------------------------------------------- bad input
 @pytest.fixture
 def tiny_llama(tmp_path):

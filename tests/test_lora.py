@@ -252,7 +252,7 @@ def test_a_base_written_again_in_place_is_another_base(conversations, tmp_path):
         train.run(dataclasses.replace(config, train_iters=5), run_dir=tmp_path / "more", **QUIET)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_an_moe_models_peft_export_loads_as_trained_or_is_refused(family, tmp_path):
     """Every MoE family: adapters on every target (an MoE layer's experts take none) exported as a PEFT adapter load
     through `peft.PeftModel` on the base's export with logits equal to the merged model's to fp32 rounding; except

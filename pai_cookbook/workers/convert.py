@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core.checkpoints import checkpoint, hf_mapping
+from pai_cookbook.core.checkpoints import checkpoint, hf_mapping, mxfp4
 from pai_cookbook.core.checkpoints.hf_checkpoint import HFCheckpoint, inspect_hf
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import ModelConfig, ParallelConfig, PrecisionConfig
@@ -41,13 +41,18 @@ class _HFReader:
         self.source = source
 
     def __call__(self, name: str) -> torch.Tensor:
+        base, row = hf_mapping.stacked(name)  # a stacked expert's row is read alone
+        if base not in self.source.tensors:  # stored in MXFP4: dequantized, and transposed to transformers' layout
+            blocks, scales = (self._read(base + suffix, row) for suffix in mxfp4.SUFFIXES)
+            return mxfp4.dequantize(blocks, scales, self.source.dtype).transpose(-1, -2)
+        path = self.source.folder / self.source.tensors[base][0]
+        return hf_mapping.check_finite(name, self._read(base, row), str(path))
+
+    def _read(self, name: str, row: int | None) -> torch.Tensor:
         from safetensors import safe_open
 
-        base, row = hf_mapping.stacked(name)  # a stacked expert's row is read alone
-        path = self.source.folder / self.source.tensors[base][0]
-        with safe_open(path, framework="pt") as f:
-            return hf_mapping.check_finite(name, f.get_tensor(base) if row is None else f.get_slice(base)[row],
-                                           str(path))
+        with safe_open(self.source.folder / self.source.tensors[name][0], framework="pt") as f:
+            return f.get_tensor(name) if row is None else f.get_slice(name)[row]
 
 
 def _lazy_planner(model: ModelConfig, read: _HFReader, chunks: list[Chunk], padded_vocab: int):

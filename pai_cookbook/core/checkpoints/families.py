@@ -150,7 +150,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(
         "gpt_oss", "GptOssForCausalLM", read=family_fields.gpt_oss_read, write=family_fields.gpt_oss_write,
         tiny={"head_dim": 24, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
-              "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "swiglu_limit": 0.1,
+              "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "swiglu_limit": 0.1,
               "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                   "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                                   "truncate": False}},

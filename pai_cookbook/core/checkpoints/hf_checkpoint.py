@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core.checkpoints import families, hf_mapping
+from pai_cookbook.core.checkpoints import families, hf_mapping, mxfp4
 from pai_cookbook.core.configs.model_config import ConfigError, ModelConfig
 from pai_cookbook.core.launching import inputs
 
@@ -35,7 +35,7 @@ class HFCheckpoint:
     @property
     def dtype(self) -> torch.dtype:
         names = {dtype for name, (_, _, dtype) in self.tensors.items()
-                 if not (name.endswith(FP32_HF_TENSORS) and dtype == "F32")}
+                 if not (name.endswith(FP32_HF_TENSORS) and dtype == "F32") and not name.endswith(mxfp4.SUFFIXES)}
         if len(names) != 1 or next(iter(names)) not in _DTYPES:
             raise ConfigError(f"{self.folder}: tensors must share one dtype of {sorted(_DTYPES)}, found {sorted(names)}.")
         return _DTYPES[names.pop()]
@@ -78,6 +78,28 @@ def _mtp_tensors(tensors: dict[str, Any], num_layers: int) -> set[str]:
             and int(k.split(".")[2]) >= num_layers}
 
 
+def _mxfp4_tensors(tensors: dict[str, tuple[str, tuple[int, ...], str]], expected: dict[str, tuple[int, ...]],
+                   folder: Path) -> set[str]:
+    """The expected tensors stored in MXFP4 (`core.checkpoints.mxfp4`: `name_blocks` and `name_scales` in place of
+    `name`, GPT-OSS's released experts), their shapes checked: transformers' [experts, in, out] is stored as
+    [experts, out, in / 32, 16] and [experts, out, in / 32]."""
+    quantized = set()
+    for name, shape in expected.items():
+        if name in tensors or name + "_blocks" not in tensors:
+            continue
+        experts, size_in, size_out = shape
+        want = {name + "_blocks": (experts, size_out, size_in // mxfp4.BLOCK, mxfp4.BLOCK // 2),
+                name + "_scales": (experts, size_out, size_in // mxfp4.BLOCK)}
+        for key, key_shape in want.items():
+            found = tensors.get(key)
+            if found is None or found[1] != key_shape or found[2] != "U8":
+                raise ConfigError(f"{folder}: {name} is stored in MXFP4, which needs {key} of shape {list(key_shape)} "
+                                  f"in U8; found {None if found is None else (list(found[1]), found[2])}. The "
+                                  f"checkpoint is damaged or does not belong to this config.json.")
+        quantized.add(name)
+    return quantized
+
+
 def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp: bool = False) -> HFCheckpoint:
     """Read config and safetensors headers (no weights) and check them against each other.
 
@@ -117,7 +139,8 @@ def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp
             if key != "__metadata__":
                 tensors[key] = (name, tuple(meta["shape"]), meta["dtype"])
     expected = hf_mapping.expected_hf_shapes(model)
-    missing = sorted(set(expected) - set(tensors))
+    quantized = _mxfp4_tensors(tensors, expected, folder)
+    missing = sorted(set(expected) - set(tensors) - set(quantized))
     if missing:
         raise ConfigError(f"{folder}: {len(missing)} tensor(s) that config.json implies are missing, e.g. "
                           f"{missing[:3]}; the weights do not belong to this config.")
@@ -129,14 +152,16 @@ def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp
                           f"model's {model.num_layers} (model.layers.{layers[0]}.*: {', '.join(parts)}). The cookbook "
                           f"converts the model without them or not at all (transformers does not load them either): "
                           f"pass drop_mtp=True to convert the model alone; the source keeps them.")
-    unexpected = sorted(k for k in set(tensors) - set(expected) - mtp if not k.endswith(IGNORED_HF_TENSORS))
+    stored = {name + suffix for name in quantized for suffix in mxfp4.SUFFIXES}
+    unexpected = sorted(k for k in set(tensors) - set(expected) - mtp - stored if not k.endswith(IGNORED_HF_TENSORS))
     if unexpected:
         raise ConfigError(f"{folder}: tensor(s) the cookbook's {model.family} mapping does not know, e.g. "
                           f"{unexpected[:3]}; the checkpoint has a feature the converter does not cover.")
     for key, shape in expected.items():
-        if tensors[key][1] != shape:
+        if key not in quantized and tensors[key][1] != shape:
             raise ConfigError(f"{folder}: tensor {key} has shape {list(tensors[key][1])}, but config.json "
                               f"implies {list(shape)}; config and weights disagree.")
-    checked = HFCheckpoint(folder, model, {k: tensors[k] for k in expected})
+    checked = HFCheckpoint(folder, model, {k: tensors[k] for k in expected if k not in quantized}
+                           | {k: tensors[k] for k in stored})
     _ = checked.dtype  # one dtype for all tensors, or a ConfigError now rather than in the worker
     return checked
