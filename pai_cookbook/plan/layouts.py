@@ -169,6 +169,10 @@ def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) ->
             f"{model.family}: the plan does not model Gemma's norms yet (four a layer, each computed in fp32, "
             f"whose activations it would leave out: 25% of a tiny Gemma 3's under full recompute); plan a Llama of the "
             f"same shape for a first estimate, and measure the run (RunConfig(measure_memory=True)).")
+    require(not model.attention_sinks or workload.path == TE_LAYERS,
+            f"{model.family}: attention sinks on Megatron-Core's local layers materialise every head's scores "
+            f"(core.modeling.attention.sink_attention), which the plan does not model; plan on Transformer Engine's "
+            f"layers (2.8 and later compute sinks in their fused attention).")
     require(world % layout.cp == 0, f"world size {world} is not divisible by CP={layout.cp}.")
     require(layout.cp == 1 or workload.path == TE_LAYERS,
             f"CP={layout.cp} needs Transformer Engine's attention; Megatron-Core's local spec refuses it"

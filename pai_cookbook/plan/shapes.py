@@ -12,6 +12,13 @@ _LLAMA3_ROPE = dict(rotary_base=500000.0)
 _QWEN3 = dict(family="qwen3", kv_channels=128, vocab_size=151936, max_position_embeddings=40960, rotary_base=1000000.0,
               norm_epsilon=1e-6, qk_layernorm=True)
 _QWEN3_MOE = _QWEN3 | dict(family="qwen3_moe", num_experts=128, moe_router_topk=8, moe_aux_loss_coeff=0.001)
+_GPT_OSS = dict(family="gpt_oss", hidden_size=2880, ffn_hidden_size=2880, num_attention_heads=64, num_query_groups=8,
+                kv_channels=64, vocab_size=201088, max_position_embeddings=131072, rotary_base=150000.0,
+                yarn={"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "mscale": 1.0, "mscale_all_dim": 0.0, "truncate": 0},
+                activation="quick_geglu", glu_clamp=7.0, glu_linear_offset=1.0, attention_sinks=True,
+                add_bias_linear=True, sliding_window=128, moe_router_topk=4, moe_ffn_hidden_size=2880,
+                moe_router_load_balancing_type="none")
 
 SHAPES: dict[str, ModelConfig] = {
     "Llama-2-7B": ModelConfig(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
@@ -61,6 +68,8 @@ SHAPES: dict[str, ModelConfig] = {
                                 num_attention_heads=32, num_query_groups=8, vocab_size=32000,
                                 max_position_embeddings=32768, rotary_base=1000000.0, num_experts=8,
                                 moe_router_topk=2, moe_ffn_hidden_size=14336, moe_aux_loss_coeff=0.02),
+    "gpt-oss-20b": ModelConfig(num_layers=24, sliding_window_layers=[1, 0] * 12, num_experts=32, **_GPT_OSS),
+    "gpt-oss-120b": ModelConfig(num_layers=36, sliding_window_layers=[1, 0] * 18, num_experts=128, **_GPT_OSS),
 }
 """Architectures as their Hugging Face config.json publishes them (Megatron-Core's names)."""
 

@@ -96,7 +96,7 @@ def attention_params(m: ModelConfig, t: int) -> list[int]:
         return out + [m.q_lora_rank // t * h, m.q_lora_rank, heads * q_head * m.q_lora_rank] + [h] * bias
     q, kv, d = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim, m.head_dim
     return ([(q + 2 * kv) // t * h] + [(q + 2 * kv) // t] * (bias or m.add_qkv_bias) + [d, d] * m.qk_layernorm
-            + [q // t * h] + [h] * bias)
+            + [q // t * h] + [h] * bias + [m.num_attention_heads // t] * m.attention_sinks)
 
 
 def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -> ChunkParams:
@@ -118,7 +118,7 @@ def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -
         dense += norm + attention_params(m, t) + norm + norm * 2 * m.post_norms  # Gemma's on the outputs too
         if is_moe_layer(model, layer):
             etp, fm = layout.etp or t, m.moe_ffn_hidden_size or m.ffn_hidden_size
-            dense.append(m.num_experts * h)  # router, whole on every rank
+            dense += [m.num_experts * h] + [m.num_experts] * bias  # router, whole on every rank
             for _ in range(m.num_experts // layout.ep):
                 expert += [gate * fm // etp * h, fm // etp * h] + [gate * fm // etp, h] * bias
             if m.moe_shared_expert_intermediate_size:
