@@ -95,7 +95,8 @@ def test_gpt_oss_experts_released_in_mxfp4_convert_as_transformers_dequantizes_t
 
     release = store_experts_in_mxfp4(make_tiny_hf_model("gpt_oss", tmp_path / "release"))
     stored = json.loads((release / "model.safetensors.index.json").read_text())["weight_map"]
-    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in stored and "model.layers.0.mlp.experts.gate_up_proj" not in stored
+    experts = "model.layers.0.mlp.experts."
+    assert experts + "gate_up_proj_blocks" in stored and experts + "gate_up_proj" not in stored
     convert.hf_to_megatron(release, tmp_path / "mcore")
     assert_parity(parity.check(release, tmp_path / "mcore", ParallelConfig(), run_dir=tmp_path / "parity"))
     convert.megatron_to_hf(tmp_path / "mcore", tmp_path / "back")
