@@ -36,14 +36,10 @@ def runnable_families() -> list[str]:
 
 
 def layout_for(family: str, tp: int = 1, pp: int = 1, ep: int = 1, **fields):
-    """ParallelConfig(TP, PP, EP) for `family`'s tiny model: experts with biases (GPT-OSS) at expert-TP 1, the only
-    one Megatron-Core builds them at (`layout.check` refuses the default, TP's, by name)."""
-    from pai_cookbook.core.configs.config import ParallelConfig
+    """ParallelConfig(TP, PP, EP) for `family`'s tiny model (`layout.for_model`: GPT-OSS's experts at expert-TP 1)."""
+    from pai_cookbook.core.configs import layout
 
-    model = families.tiny(family)
-    etp = 1 if model.is_moe and model.add_bias_linear else None
-    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                          expert_tensor_parallel_size=etp, **fields)
+    return layout.for_model(families.tiny(family), tp, pp, ep, **fields)
 
 
 def on_both_ends(family: str):

@@ -192,13 +192,22 @@ def _check_inference(p: ParallelConfig) -> None:
 _AXES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size"}
 
 
+def for_model(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, **fields: Any) -> ParallelConfig:
+    """ParallelConfig(TP, PP, EP, `fields`) for `model`: its experts at expert-TP 1 where they have biases (GPT-OSS's:
+    the only expert-TP Megatron-Core builds them at; `check` refuses the default, TP's, by name), else as given."""
+    if model.is_moe and model.add_bias_linear:
+        fields.setdefault("expert_tensor_parallel_size", 1)
+    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                          **fields)
+
+
 def largest(model: ModelConfig, axis: Literal["tp", "pp", "ep"], at_most: int, purpose: str = "load") -> int:
     """The largest size up to `at_most` of one parallel axis (the others at 1) that `check` accepts for `model`: a
     notebook's default layout, derived from the model the user brings (SmolLM2's 9 heads in 3 KV groups take TP=3, a
     model with 2 KV groups TP=2; a dense model EP=1). The rules are `check`'s, so the default is never refused."""
     for size in range(at_most, 1, -1):
         try:
-            check(model, ParallelConfig(**{_AXES[axis]: size}), purpose=purpose)
+            check(model, for_model(model, **{axis: size}), purpose=purpose)
             return size
         except ConfigError:
             continue
