@@ -119,6 +119,49 @@ def test_gpt_oss_experts_released_in_mxfp4_convert_as_transformers_dequantizes_t
         convert.inspect_hf(release)
 
 
+@pytest.mark.multiproc
+def test_kimi_k2s_released_config_converts_as_deepseek_v3(tmp_path):
+    """Kimi-K2's config.json (`model_type: kimi_k2`, DeepSeek-V3's architecture through remote code) with its router
+    and rotary as released, shrunk but for the 384 experts: read as DeepSeek-V3 without running the remote code,
+    converted, exported as `deepseek_v3` (which transformers loads natively) bitwise, and its logits equal to
+    transformers' at EP=1 and EP=2."""
+    kimi = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+            "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                         "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+            "n_routed_experts": 384, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+            "routed_scaling_factor": 2.827, "first_k_dense_replace": 1, "norm_topk_prob": True,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
+            "aux_loss_alpha": 0.001, "seq_aux": True, "ep_size": 1, "rope_theta": 50000.0,
+            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 8, "beta_fast": 1.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 8, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+            "qk_nope_head_dim": 24, "qk_rope_head_dim": 16, "v_head_dim": 20, "vocab_size": 256,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu"}
+    rope = {"rope_type": "yarn", "rope_theta": 50000.0} | {k: v for k, v in kimi["rope_scaling"].items() if k != "type"}
+    weights = {k: v for k, v in kimi.items() if k not in ("architectures", "model_type", "auto_map", "rope_scaling",
+                                                        "rope_theta")}
+    source = make_tiny_hf_model("deepseek_v3", tmp_path / "kimi", rope_parameters=rope, **weights)
+    saved = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(kimi | {k: saved[k] for k in ("bos_token_id", "eos_token_id")}))
+
+    model = families.from_hf(source)
+    assert (model.family, model.num_experts, model.moe_router_topk, model.moe_router_num_groups) == \
+           ("deepseek_v3", 384, 8, None)
+    assert model.moe_router_topk_scaling_factor == 2.827 and model.moe_layer_freq == [0, 1]
+    assert model.yarn | {} == {"factor": 32.0, "original_max_position_embeddings": 8, "beta_fast": 1.0, "beta_slow": 1.0,
+                               "mscale": 1.0, "mscale_all_dim": 1.0}
+    convert.hf_to_megatron(source, tmp_path / "mcore")
+    convert.megatron_to_hf(tmp_path / "mcore", tmp_path / "export")
+    assert convert.compare_hf_checkpoints(source, tmp_path / "export")["bitwise_identical"]
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["model_type"] == "deepseek_v3" and "auto_map" not in exported
+    for row in parity.check_layouts(tmp_path / "export", tmp_path / "mcore",
+                                    [ParallelConfig(), ParallelConfig(expert_model_parallel_size=2)],
+                                    run_dir=tmp_path / "parity"):
+        assert_parity(row)
+
+
 # ---------------------------------------------------------------------------------------- bad input
 @pytest.fixture
 def tiny_llama(tmp_path):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core.checkpoints import checkpoint, hf_mapping, mxfp4
+from pai_cookbook.core.checkpoints import checkpoint, families, hf_mapping, mxfp4
 from pai_cookbook.core.checkpoints.hf_checkpoint import HFCheckpoint, inspect_hf
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import ModelConfig, ParallelConfig, PrecisionConfig
@@ -148,6 +148,7 @@ def write_megatron(source: HFCheckpoint, partial: Path) -> dict[str, Any]:
     save_config(CheckpointingConfig(sharded_backend="torch_dist", sharded_backend_version=1), str(partial))
     checkpoint.write_config(partial, model, dtype, source=str(source.folder))
     checkpoint.copy_assets(source.folder, partial / checkpoint.HF_ASSETS)
+    families.native_config_json(partial / checkpoint.HF_ASSETS / "config.json")  # Kimi-K2's as DeepSeek-V3's
     return {"chunks": len(chunks), "dtype": checkpoint.DTYPE_NAMES[dtype]}
 
 

@@ -15,6 +15,7 @@ by name: `core.checkpoints.hf_checkpoint`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +165,33 @@ TINY_HF = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, 
            "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
 
 
+# Model types whose checkpoints are a family's architecture under a name of their own, their config.json pointing at
+# remote code (`auto_map`) for a copy of that family's config class: read as the family, the remote code never run,
+# where config.json names the family's architecture (Kimi-K2 is DeepSeek-V3's, 384 experts routed as in one group).
+ALIASES = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
+
+
+def _family_type(raw: dict[str, Any]) -> str | None:
+    """The family a raw config.json's `model_type` is, through `ALIASES` where its architecture is the family's."""
+    model_type = raw.get("model_type")
+    alias = ALIASES.get(model_type)
+    if alias is not None and raw.get("architectures") == [alias[1]]:
+        return alias[0]
+    return model_type
+
+
+def native_config_json(path: Path) -> None:
+    """Rewrite a copied config.json of an alias (`ALIASES`) as its family's, in place (model_type the family's, no
+    auto_map): what a checkpoint keeps beside its tokenizer, so that transformers reads it without remote code."""
+    if not path.is_file():
+        return
+    raw = _read_config_json(path)
+    family = _family_type(raw)
+    if family != raw.get("model_type") and family in FAMILIES:
+        path.write_text(json.dumps({k: v for k, v in raw.items() if k != "auto_map"} | {"model_type": family},
+                                   indent=2))
+
+
 def supported() -> list[str]:
     return sorted(FAMILIES)
 
@@ -184,17 +212,21 @@ def load_hf_config(source: str | Path | dict[str, Any] | Any) -> Any:
     if isinstance(source, PretrainedConfig):
         return source
     if isinstance(source, dict):
-        kwargs = {k: v for k, v in source.items() if k != "model_type"}
-        if source.get("model_type") not in FAMILIES:
+        kwargs = {k: v for k, v in source.items() if k not in ("model_type", "auto_map")}
+        if _family_type(source) not in FAMILIES:
             raise ConfigError(f"unsupported architecture: model_type={source.get('model_type')!r}; "
                               f"the cookbook supports {supported()}.")
-        return AutoConfig.for_model(source["model_type"], **kwargs)
+        return AutoConfig.for_model(_family_type(source), **kwargs)
     path = Path(source)
     folder = path.parent if path.name == "config.json" else path
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {folder}; point at a Hugging Face model folder "
                                 f"(the one holding config.json and *.safetensors).")
     raw = _read_config_json(folder / "config.json")
+    if _family_type(raw) != raw.get("model_type") and _family_type(raw) in FAMILIES:
+        hf = load_hf_config(raw)  # an alias: the family's config class, not the checkpoint's remote code
+        _check_keys(raw, hf, folder / "config.json")
+        return hf
     if raw.get("model_type") not in FAMILIES:
         raise ConfigError(f"unsupported architecture: model_type={raw.get('model_type')!r} in {folder / 'config.json'}; "
                           f"the cookbook supports {supported()}.")
@@ -299,8 +331,9 @@ def to_hf(model: ModelConfig, base: dict[str, Any] | None = None) -> Any:
     if family.activation_key == "hidden_act":
         kwargs["hidden_act"] = "silu"
     # the cookbook writes unquantized weights: a source's quantization_config (GPT-OSS's MXFP4) would misdescribe them
+    # (and an alias's auto_map, the remote code of a config class the family's own replaces)
     kept = {k: v for k, v in (base or {}).items() if k not in ("model_type", "transformers_version",
-                                                               "quantization_config")}
+                                                               "quantization_config", "auto_map")}
     return AutoConfig.for_model(family.name, **(kept | kwargs | family.write(model)))
 
 
