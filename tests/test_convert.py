@@ -120,6 +120,25 @@ def test_gpt_oss_experts_released_in_mxfp4_convert_as_transformers_dequantizes_t
 
 
 @pytest.mark.multiproc
+def test_a_qwen3_with_yarn_for_long_context_converts_exactly(tmp_path):
+    """Qwen3's long-context setting (YaRN x4 over its original positions, transformers' rounded correction range and
+    attention scale 0.1 ln 4 + 1), built by GPTModel's YaRN rotary as GPT-OSS's is: logits equal to transformers' at
+    TP=1 and TP=2, the round trip bitwise, and the export's rotary parameters the source's."""
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64}
+    source = make_tiny_hf_model("qwen3", tmp_path / "qwen3", rope_parameters=rope)
+    assert families.from_hf(source).yarn["truncate"] == 1
+    convert.hf_to_megatron(source, tmp_path / "mcore")
+    for row in parity.check_layouts(source, tmp_path / "mcore", [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)],
+                                    run_dir=tmp_path / "parity"):
+        assert_parity(row)
+        assert row["max_abs_diff"] <= 1e-5, row
+    convert.megatron_to_hf(tmp_path / "mcore", tmp_path / "export")
+    assert convert.compare_hf_checkpoints(source, tmp_path / "export")["bitwise_identical"]
+    exported = families.load_hf_config(tmp_path / "export").rope_parameters
+    assert {k: exported.get(k) for k in rope} == rope and exported.get("truncate", True) is True
+
+
+@pytest.mark.multiproc
 def test_kimi_k2s_released_config_converts_as_deepseek_v3(tmp_path):
     """Kimi-K2's config.json (`model_type: kimi_k2`, DeepSeek-V3's architecture through remote code) with its router
     and rotary as released, shrunk but for the 384 experts: read as DeepSeek-V3 without running the remote code,

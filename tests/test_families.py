@@ -81,7 +81,8 @@ def test_a_gemma3_the_cookbook_cannot_reproduce_is_refused(overrides, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, r"rope_type='yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
+     r"rope_type='dynamic' is not supported"),
     ({"attention_bias": True}, r"attention_bias/mlp_bias=True .* is not supported"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5, "low_freq_factor": 2.0,
@@ -108,9 +109,12 @@ def test_features_megatron_lacks_are_refused(overrides, message):
     ("gpt_oss", {"attention_bias": False}, r"gpt_oss: attention_bias=False; Megatron-Core gives the router"),
     ("gpt_oss", {"quantization_config": {"quant_method": "fp8"}}, r"gpt_oss: quantization_config quant_method='fp8'"),
     ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention"]}, r"gpt_oss: layer types \['chunked_attention'\]"),
-    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
-                                   "original_max_position_embeddings": 32768}},
-     r"rope_type='yarn' is not supported; .*'yarn' for \['deepseek_v3', 'gpt_oss'\]"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "attention_factor": 1.2,
+                                   "original_max_position_embeddings": 64}},
+     r"qwen3: yarn rotary scaling with \{'attention_factor': 1.2\} has no Megatron-Core equivalent"),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                      "partial_rotary_factor": 0.5, "original_max_position_embeddings": 64}},
+     r"glm4_moe: yarn rotary scaling of part of each head \(partial_rotary_factor 0.5\) is not reproduced yet"),
 ])
 def test_what_the_2026_families_do_that_megatron_core_cannot_is_refused(family, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -311,8 +311,9 @@ def to_hf(model: ModelConfig, base: dict[str, Any] | None = None) -> Any:
         rope["partial_rotary_factor"] = model.rotary_percent
     if model.rope_scaling_factor is not None:
         rope |= {"rope_type": "llama3", "factor": model.rope_scaling_factor} | family_fields.MCORE_LLAMA3_ROPE
-    if model.yarn is not None:
-        rope |= {"rope_type": "yarn"} | model.yarn
+    if model.yarn is not None:  # truncate as transformers spells it
+        rope |= {"rope_type": "yarn"} | model.yarn | ({"truncate": bool(model.yarn["truncate"])} if "truncate" in model.yarn
+                                                      else {})
     kwargs = dict(
         architectures=[family.architecture],
         num_hidden_layers=model.num_layers,

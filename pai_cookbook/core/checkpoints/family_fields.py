@@ -11,8 +11,8 @@ from typing import Any
 
 from pai_cookbook.core.configs.config import ConfigError, ModelConfig
 
-# Families whose rotary Megatron-Core builds with YaRN scaling: multi-latent attention's (DeepSeek-V3), GPTModel's (GPT-OSS).
-YARN_FAMILIES = {"deepseek_v3", "gpt_oss"}
+# Families whose YaRN rotary multi-latent attention builds (the others' is GPTModel's `position_embedding_type="yarn"`).
+LATENT_YARN_FAMILIES = {"deepseek_v3"}
 # Megatron-Core's Llama 3 rotary scaling has these constants built in (rotary_pos_embedding._apply_scaling).
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -46,11 +46,14 @@ def rotary(hf: Any) -> dict[str, Any]:
             raise ConfigError(f"llama3 rotary scaling with {mismatched} differs from Megatron-Core's built-in "
                               f"{MCORE_LLAMA3_ROPE}; this checkpoint's positions cannot be reproduced exactly.")
         return out | {"rope_scaling_factor": float(params["factor"])}
-    if rope_type == "yarn" and hf.model_type in YARN_FAMILIES:
-        return out | {"yarn": yarn(params, hf, unrounded=hf.model_type == "gpt_oss")}
-    raise ConfigError(f"rotary scaling rope_type={rope_type!r} is not supported; supported: 'default', 'llama3' "
-                      f"(and 'yarn' for {sorted(YARN_FAMILIES)}, whose multi-latent attention Megatron-Core builds "
-                      f"with YaRN).")
+    if rope_type == "yarn":
+        latent = hf.model_type in LATENT_YARN_FAMILIES
+        if not latent and out.get("rotary_percent", 1.0) != 1.0:
+            raise ConfigError(f"{hf.model_type}: yarn rotary scaling of part of each head (partial_rotary_factor "
+                              f"{out['rotary_percent']}) is not reproduced yet; this checkpoint's positions would differ.")
+        return out | {"yarn": yarn(params, hf, unrounded=not latent)}
+    raise ConfigError(f"rotary scaling rope_type={rope_type!r} is not supported; supported: 'default', 'llama3', "
+                      f"'yarn'.")
 
 
 def yarn(params: dict[str, Any], hf: Any, unrounded: bool = False) -> dict[str, float]:
@@ -65,7 +68,8 @@ def yarn(params: dict[str, Any], hf: Any, unrounded: bool = False) -> dict[str, 
     truncate = params.get("truncate", True) is not False
     if not truncate and not unrounded:
         refused["truncate"] = False
-    factor = params.get("factor") or hf.max_position_embeddings / params["original_max_position_embeddings"]
+    original = params.get("original_max_position_embeddings") or hf.max_position_embeddings
+    factor = params.get("factor") or hf.max_position_embeddings / original
     mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if all_dim and not mscale:
         refused |= {"mscale": mscale, "mscale_all_dim": all_dim}
@@ -74,7 +78,7 @@ def yarn(params: dict[str, Any], hf: Any, unrounded: bool = False) -> dict[str, 
                           f"YaRN takes factor, original_max_position_embeddings, beta_fast, beta_slow, and mscale with "
                           f"mscale_all_dim together); this checkpoint's positions cannot be reproduced exactly.")
     both = bool(mscale and all_dim)
-    return {"factor": float(factor), "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+    return {"factor": float(factor), "original_max_position_embeddings": int(original),
             "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
             "mscale": float(mscale) if both else 1.0, "mscale_all_dim": float(all_dim) if both else 0.0} | (
         {"truncate": int(truncate)} if unrounded else {})
