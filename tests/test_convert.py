@@ -128,8 +128,8 @@ def test_a_qwen3_with_yarn_for_long_context_converts_exactly(tmp_path):
     source = make_tiny_hf_model("qwen3", tmp_path / "qwen3", rope_parameters=rope)
     assert families.from_hf(source).yarn["truncate"] == 1
     convert.hf_to_megatron(source, tmp_path / "mcore")
-    for row in parity.check_layouts(source, tmp_path / "mcore", [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)],
-                                    run_dir=tmp_path / "parity"):
+    layouts = [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)]
+    for row in parity.check_layouts(source, tmp_path / "mcore", layouts, run_dir=tmp_path / "parity"):
         assert_parity(row)
         assert row["max_abs_diff"] <= 1e-5, row
     convert.megatron_to_hf(tmp_path / "mcore", tmp_path / "export")
