@@ -139,6 +139,38 @@ def test_a_qwen3_with_yarn_for_long_context_converts_exactly(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_the_language_model_of_a_multimodal_gemma_3_converts_alone(tmp_path):
+    """Gemma 3 as its 4B-27B are released (`gemma3`: a language model beside a SigLIP vision tower, in the hub's names):
+    its language model converted (the vision tensors left in the source and counted), its logits equal to those of
+    transformers' multimodal model on text at TP=1 and TP=2, and exported as the text model (`gemma3_text`) with every
+    tensor the source's language model's, bitwise."""
+    from safetensors.torch import load_file
+
+    from pai_cookbook.fixtures.tiny_models import make_tiny_gemma3_multimodal
+
+    source = make_tiny_gemma3_multimodal(tmp_path / "gemma3")
+    assert families.from_hf(source) == families.tiny("gemma3_text")
+    result = convert.hf_to_megatron(source, tmp_path / "mcore")
+    stored = {}
+    for shard in source.glob("*.safetensors"):
+        stored |= load_file(shard)
+    vision = [k for k in stored if k.startswith(("vision_tower.", "multi_modal_projector."))]
+    assert result["vision_tensors_left"] == len(vision) > 0
+    layouts = [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2)]
+    for row in parity.check_layouts(source, tmp_path / "mcore", layouts, run_dir=tmp_path / "parity"):
+        assert_parity(row)
+    convert.megatron_to_hf(tmp_path / "mcore", tmp_path / "export")
+    exported = {}
+    for shard in (tmp_path / "export").glob("*.safetensors"):
+        exported |= load_file(shard)
+    language = {"model." + k[len("language_model.model."):]: v for k, v in stored.items()
+                if k.startswith("language_model.model.")}
+    assert sorted(exported) == sorted(language)
+    assert all(torch.equal(exported[k], language[k]) for k in language)
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "gemma3_text"
+
+
+@pytest.mark.multiproc
 def test_kimi_k2s_released_config_converts_as_deepseek_v3(tmp_path):
     """Kimi-K2's config.json (`model_type: kimi_k2`, DeepSeek-V3's architecture through remote code) with its router
     and rotary as released, shrunk but for the 384 experts: read as DeepSeek-V3 without running the remote code,

@@ -241,7 +241,9 @@ def test_the_llama_2_7b_breakdown_in_the_docs_is_what_the_plan_says():
 # Total and activated parameters as the model cards publish them (activated: None where the model is dense).
 PUBLISHED = {"Llama-3.2-3B": (3.21e9, None), "Qwen3-8B": (8.2e9, None), "Qwen3-32B": (32.8e9, None),
              "Qwen3-30B-A3B": (30.5e9, 3.3e9), "Qwen3-235B-A22B": (235e9, 22e9), "DeepSeek-V3": (671e9, 37e9),
-             "gpt-oss-20b": (20.91e9, 3.61e9), "gpt-oss-120b": (116.83e9, 5.13e9)}
+             "gpt-oss-20b": (20.91e9, 3.61e9), "gpt-oss-120b": (116.83e9, 5.13e9),
+             # the Gemma 3 report's language model: 1,416M embedding + 25,600M other parameters
+             "Gemma-3-27B": (27.016e9, None)}
 # OpenAI's cards count a token's active parameters with the output layer but without the embedding lookup
 ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b", "gpt-oss-120b"}
 

@@ -68,6 +68,15 @@ SHAPES: dict[str, ModelConfig] = {
                                 num_attention_heads=32, num_query_groups=8, vocab_size=32000,
                                 max_position_embeddings=32768, rotary_base=1000000.0, num_experts=8,
                                 moe_router_topk=2, moe_ffn_hidden_size=14336, moe_aux_loss_coeff=0.02),
+    # the language model of Gemma 3 27B (its vision tower, 0.4B, is not trained here)
+    "Gemma-3-27B": ModelConfig(family="gemma3_text", num_layers=62, hidden_size=5376, ffn_hidden_size=21504,
+                               num_attention_heads=32, num_query_groups=16, kv_channels=128, vocab_size=262208,
+                               max_position_embeddings=131072, rotary_base=1e6, local_rotary_base=1e4,
+                               rotary_linear_factor=8.0, sliding_window=1024,
+                               sliding_window_layers=[int((i + 1) % 6 != 0) for i in range(62)],
+                               query_pre_attn_scalar=168, norm_epsilon=1e-6, activation="geglu", qk_layernorm=True,
+                               norm_plus_one=True, post_norms=True, embedding_multiplier=5376 ** 0.5,
+                               tie_word_embeddings=True),
     "gpt-oss-20b": ModelConfig(num_layers=24, sliding_window_layers=[1, 0] * 12, num_experts=32, **_GPT_OSS),
     "gpt-oss-120b": ModelConfig(num_layers=36, sliding_window_layers=[1, 0] * 18, num_experts=128, **_GPT_OSS),
 }

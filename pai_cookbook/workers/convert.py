@@ -51,8 +51,9 @@ class _HFReader:
     def _read(self, name: str, row: int | None) -> torch.Tensor:
         from safetensors import safe_open
 
+        key = self.source.stored.get(name, name)  # a multimodal model's language model is stored under a prefix
         with safe_open(self.source.folder / self.source.tensors[name][0], framework="pt") as f:
-            return f.get_tensor(name) if row is None else f.get_slice(name)[row]
+            return f.get_tensor(key) if row is None else f.get_slice(key)[row]
 
 
 def _lazy_planner(model: ModelConfig, read: _HFReader, chunks: list[Chunk], padded_vocab: int):
@@ -149,7 +150,9 @@ def write_megatron(source: HFCheckpoint, partial: Path) -> dict[str, Any]:
     checkpoint.write_config(partial, model, dtype, source=str(source.folder))
     checkpoint.copy_assets(source.folder, partial / checkpoint.HF_ASSETS)
     families.native_config_json(partial / checkpoint.HF_ASSETS / "config.json")  # Kimi-K2's as DeepSeek-V3's
-    return {"chunks": len(chunks), "dtype": checkpoint.DTYPE_NAMES[dtype]}
+    # a multimodal source's vision tower and projector stay in the source: said, not dropped silently
+    return {"chunks": len(chunks), "dtype": checkpoint.DTYPE_NAMES[dtype]} | (
+        {"vision_tensors_left": source.left_out} if source.left_out else {})
 
 
 def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:

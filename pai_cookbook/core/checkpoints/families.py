@@ -171,6 +171,14 @@ TINY_HF = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, 
 ALIASES = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
 
 
+# Multimodal model types whose language model is a family's (`text_config`): its text part is converted, the vision
+# tower and projector left in the source (Gemma 3 4B and up). The language model's tensors are stored under one of
+# these prefixes in place of `model.` (the hub's, and transformers 5's in-memory names); the vision part under the others.
+MULTIMODAL = {"gemma3": "gemma3_text"}
+LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def _family_type(raw: dict[str, Any]) -> str | None:
     """The family a raw config.json's `model_type` is, through `ALIASES` where its architecture is the family's."""
     model_type = raw.get("model_type")
@@ -182,7 +190,8 @@ def _family_type(raw: dict[str, Any]) -> str | None:
 
 def native_config_json(path: Path) -> None:
     """Rewrite a copied config.json of an alias (`ALIASES`) as its family's, in place (model_type the family's, no
-    auto_map): what a checkpoint keeps beside its tokenizer, so that transformers reads it without remote code."""
+    auto_map), and a multimodal model's (`MULTIMODAL`) as its language model's: what a checkpoint keeps beside its
+    tokenizer, so that transformers reads it without remote code, as the model the checkpoint holds."""
     if not path.is_file():
         return
     raw = _read_config_json(path)
@@ -190,6 +199,11 @@ def native_config_json(path: Path) -> None:
     if family != raw.get("model_type") and family in FAMILIES:
         path.write_text(json.dumps({k: v for k, v in raw.items() if k != "auto_map"} | {"model_type": family},
                                    indent=2))
+    elif raw.get("model_type") in MULTIMODAL:  # the language model's config, with the model's token ids
+        text = MULTIMODAL[raw["model_type"]]
+        ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
+        path.write_text(json.dumps(raw.get("text_config", {}) | ids | {
+            "model_type": text, "architectures": [FAMILIES[text].architecture]}, indent=2))
 
 
 def supported() -> list[str]:
@@ -227,9 +241,9 @@ def load_hf_config(source: str | Path | dict[str, Any] | Any) -> Any:
         hf = load_hf_config(raw)  # an alias: the family's config class, not the checkpoint's remote code
         _check_keys(raw, hf, folder / "config.json")
         return hf
-    if raw.get("model_type") not in FAMILIES:
+    if raw.get("model_type") not in FAMILIES and raw.get("model_type") not in MULTIMODAL:
         raise ConfigError(f"unsupported architecture: model_type={raw.get('model_type')!r} in {folder / 'config.json'}; "
-                          f"the cookbook supports {supported()}.")
+                          f"the cookbook supports {supported()} (and the text model of {sorted(MULTIMODAL)}).")
     # trust_remote_code stays off: only architectures transformers itself implements are read.
     hf = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     _check_keys(raw, hf, folder / "config.json")
@@ -269,6 +283,8 @@ def from_hf(source: str | Path | dict[str, Any] | Any) -> ModelConfig:
         ConfigError: unknown architecture (lists the supported ones) or a feature Megatron-Core lacks.
     """
     hf = load_hf_config(source)
+    if getattr(hf, "model_type", None) in MULTIMODAL:
+        hf = hf.text_config  # the language model, converted alone
     family = family_of(hf)
     if family.activation_key == "hidden_act" and getattr(hf, "hidden_act", "silu") != "silu":
         raise ConfigError(f"{hf.model_type}: hidden_act={hf.hidden_act!r}; the cookbook maps SwiGLU (silu) MLPs.")

@@ -8,6 +8,7 @@ refused here, naming the file and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ class HFCheckpoint:
     model: ModelConfig
     tensors: dict[str, tuple[str, tuple[int, ...], str]]
     """name -> (shard file, shape, safetensors dtype)."""
+    stored: dict[str, str] = dataclasses.field(default_factory=dict)
+    """name -> the name the shard stores it under, where that differs (a multimodal model's language model)."""
+    left_out: int = 0
+    """Tensors of the folder the conversion leaves in the source (a multimodal model's vision tower and projector)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,6 +81,28 @@ def _mtp_tensors(tensors: dict[str, Any], num_layers: int) -> set[str]:
     multi-token-prediction modules (eh_proj, enorm, hnorm, a decoder layer, shared_head)."""
     return {k for k in tensors if k.startswith("model.layers.") and k.split(".")[2].isdigit()
             and int(k.split(".")[2]) >= num_layers}
+
+
+def _language_model(tensors: dict[str, tuple[str, tuple[int, ...], str]], model: ModelConfig
+                    ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], dict[str, str], int]:
+    """A multimodal model's language model (`families.MULTIMODAL`, whose family `model` is): its tensors under the names
+    of the text model (`model.` in place of the language model's prefix, `lm_head.` in place of
+    `language_model.lm_head.`), the names they are stored under, and how many vision tensors are left out. Any other
+    model's tensors unchanged."""
+    if model.family not in families.MULTIMODAL.values():
+        return tensors, {}, 0
+    prefixes = [(p, "model.") for p in families.LANGUAGE_MODEL_PREFIXES] + [("language_model.lm_head.", "lm_head.")]
+    renamed, stored, left_out = {}, {}, 0
+    for key, meta in tensors.items():
+        if key.startswith(families.VISION_PREFIXES):
+            left_out += 1
+            continue
+        prefix = next(((p, to) for p, to in prefixes if key.startswith(p)), None)
+        name = key if prefix is None else prefix[1] + key[len(prefix[0]):]
+        renamed[name] = meta
+        if name != key:
+            stored[name] = key
+    return renamed, stored, left_out
 
 
 def _mxfp4_tensors(tensors: dict[str, tuple[str, tuple[int, ...], str]], expected: dict[str, tuple[int, ...]],
@@ -138,6 +165,7 @@ def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp
         for key, meta in read_safetensors_header(path).items():
             if key != "__metadata__":
                 tensors[key] = (name, tuple(meta["shape"]), meta["dtype"])
+    tensors, stored, left_out = _language_model(tensors, model)
     expected = hf_mapping.expected_hf_shapes(model)
     quantized = _mxfp4_tensors(tensors, expected, folder)
     missing = sorted(set(expected) - set(tensors) - set(quantized))
@@ -152,8 +180,9 @@ def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp
                           f"model's {model.num_layers} (model.layers.{layers[0]}.*: {', '.join(parts)}). The cookbook "
                           f"converts the model without them or not at all (transformers does not load them either): "
                           f"pass drop_mtp=True to convert the model alone; the source keeps them.")
-    stored = {name + suffix for name in quantized for suffix in mxfp4.SUFFIXES}
-    unexpected = sorted(k for k in set(tensors) - set(expected) - mtp - stored if not k.endswith(IGNORED_HF_TENSORS))
+    mxfp4_stored = {name + suffix for name in quantized for suffix in mxfp4.SUFFIXES}
+    unexpected = sorted(k for k in set(tensors) - set(expected) - mtp - mxfp4_stored
+                        if not k.endswith(IGNORED_HF_TENSORS))
     if unexpected:
         raise ConfigError(f"{folder}: tensor(s) the cookbook's {model.family} mapping does not know, e.g. "
                           f"{unexpected[:3]}; the checkpoint has a feature the converter does not cover.")
@@ -162,6 +191,6 @@ def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp
             raise ConfigError(f"{folder}: tensor {key} has shape {list(tensors[key][1])}, but config.json "
                               f"implies {list(shape)}; config and weights disagree.")
     checked = HFCheckpoint(folder, model, {k: tensors[k] for k in expected if k not in quantized}
-                           | {k: tensors[k] for k in stored})
+                           | {k: tensors[k] for k in mxfp4_stored}, stored=stored, left_out=left_out)
     _ = checked.dtype  # one dtype for all tensors, or a ConfigError now rather than in the worker
     return checked
