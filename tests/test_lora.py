@@ -252,9 +252,11 @@ def test_a_base_written_again_in_place_is_another_base(conversations, tmp_path):
         train.run(dataclasses.replace(config, train_iters=5), run_dir=tmp_path / "more", **QUIET)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
-def test_an_moe_models_peft_export_loads_as_trained_or_is_refused(family, tmp_path):
-    """Every MoE family: adapters on every target (an MoE layer's experts take none) exported as a PEFT adapter load
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma3_text"])
+def test_an_moe_or_2026_models_peft_export_loads_as_trained_or_is_refused(family, tmp_path):
+    """Every MoE family, and Gemma 3 (its attention's and MLP's outputs normed after the adapters add theirs, as PEFT
+    adds them before the post-norm): adapters on every target (an MoE layer's experts take none) exported as a PEFT
+    adapter load
     through `peft.PeftModel` on the base's export with logits equal to the merged model's to fp32 rounding; except
     where an MoE model has dense layers whose MLP is adapted (DeepSeek-V3's first), which PEFT on transformers 5 would
     load unadapted (it reads gate_proj/up_proj/down_proj as the experts' fused weights: 0.03 from the merged logits
