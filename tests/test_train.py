@@ -96,10 +96,11 @@ def test_synthetic_batches_split_one_global_batch_over_dp_ranks():
     assert ((tokens[1:] - tokens[:-1]) % config.model.vocab_size == stride).all()  # a progression
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3_text"])
 def test_training_flops_are_six_per_weight_plus_attention(family):
     # 6 FLOPs per matmul weight per token (2 forward + 4 backward), the input embedding being a lookup,
-    # plus 12 x layers x seq x (heads x head_dim) for attention scores and values.
+    # plus 12 x seq x (heads x head_dim) a layer for attention scores and values, the window's keys in place of the
+    # sequence's on a sliding-window layer (the tiny Mistral's every layer, the tiny Gemma 3's first: window 8 of 32).
     import transformers
 
     from pai_cookbook.core.modeling.model import training_flops_per_token
@@ -109,7 +110,10 @@ def test_training_flops_are_six_per_weight_plus_attention(family):
     matmul_weights = sum(p.numel() for n, p in hf.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
     if model.tie_word_embeddings:
         matmul_weights += model.vocab_size * model.hidden_size
-    attention = 12 * model.num_layers * seq * model.num_attention_heads * model.head_dim
+    windows = [getattr(hf.config, "sliding_window", None) if kind == "sliding_attention" or family == "mistral"
+               else None for kind in getattr(hf.config, "layer_types", None) or ["full_attention"] * model.num_layers]
+    keys = sum(min(seq, w) if w else seq for w in windows)
+    attention = 12 * keys * model.num_attention_heads * model.head_dim
     assert training_flops_per_token(model, seq) == 6 * matmul_weights + attention
     # LoRA's frozen base: no weight-gradient GEMM, 4 FLOPs per weight (forward and the input's gradient)
     assert training_flops_per_token(model, seq, frozen_weights=True) == 4 * matmul_weights + attention

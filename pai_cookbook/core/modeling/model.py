@@ -328,6 +328,15 @@ def routed_expert_weights(model: ModelConfig) -> int:
             * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
 
 
+def attended_keys(model: ModelConfig, seq_length: int) -> int:
+    """Keys a query's scores are computed over, summed over the layers: the sequence on a full-attention layer, at most
+    the window on a sliding-window layer (GPT-OSS's every other layer sees 128 keys, not 4,096)."""
+    if model.sliding_window is None:
+        return model.num_layers * seq_length
+    windowed = model.sliding_window_layers or [1] * model.num_layers
+    return sum(min(seq_length, model.sliding_window) if flag else seq_length for flag in windowed)
+
+
 def training_flops_per_token(model: ModelConfig, seq_length: int, frozen_weights: bool = False) -> float:
     """Model FLOPs to train on one token: 3 x forward (forward + backward), PaLM-style accounting; with
     `frozen_weights` (LoRA: the base frozen) the weights' gradient GEMMs are not run (Megatron-Core's
@@ -335,20 +344,22 @@ def training_flops_per_token(model: ModelConfig, seq_length: int, frozen_weights
     adapters' own FLOPs, 2 x rank x (in + out) per adapted linear, are left out: under 1% at usual ranks).
 
     Forward per token: 2 FLOPs per multiply-add of every weight used (for MoE, the top-k routed experts
-    plus shared expert and router, not all experts) and 4 x seq x (heads x head_dim) per layer for the
-    attention scores and their weighted sum (counted without the causal half, as PaLM's MFU does).
+    plus shared expert and router, not all experts) and 4 x keys x (heads x head_dim) per layer for the
+    attention scores and their weighted sum, keys the sequence (counted without the causal half, as PaLM's MFU does)
+    or on a sliding-window layer at most the window (`attended_keys`).
     """
     h, layers = model.hidden_size, model.num_layers
     q, kv = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
     gated = 3 if model.gated else 2
     attention = h * (q + 2 * kv) + q * h
-    scores = 4 * seq_length * q  # q.k and probabilities.v, 2 FLOPs per multiply-add each
+    keys = attended_keys(model, seq_length) / layers  # per layer, on average: a sliding window's layers see fewer
+    scores = 4 * keys * q  # q.k and probabilities.v, 2 FLOPs per multiply-add each
     if model.multi_latent_attention:  # the latents' down and up projections; values heads x v_head_dim wide
         m, v = model, model.num_attention_heads * model.v_head_dim
         up = (m.kv_lora_rank * (m.num_attention_heads * m.qk_head_dim + v)
               + (h * m.q_lora_rank + m.q_lora_rank * q if m.q_lora_rank else h * q))
         attention = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + up + v * h
-        scores = 2 * seq_length * (q + v)
+        scores = 2 * keys * (q + v)
     dense_mlp = gated * h * model.ffn_hidden_size
     if model.is_moe:
         moe_layers = sum(model.moe_flags)
