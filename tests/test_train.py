@@ -205,12 +205,16 @@ NEW_FAMILY_LAYOUTS = {
 }
 
 
+# The 2026 families' issue asks 10 steps; the earlier ones were held to 5.
+NEW_FAMILY_STEPS = {"gemma3_text": 10, "gpt_oss": 10}
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family", sorted(NEW_FAMILY_LAYOUTS))
 def test_new_families_train_at_tp2_as_one_process_does(family, run_scenario):
-    """5 steps at each layout of `NEW_FAMILY_LAYOUTS` give one process's losses (1e-5)."""
+    """5 steps (10 for `NEW_FAMILY_STEPS`) at each layout of `NEW_FAMILY_LAYOUTS` give one process's losses (1e-5)."""
     def config(parallel):
-        return tiny_run(family, parallel=parallel, train_iters=5)
+        return tiny_run(family, parallel=parallel, train_iters=NEW_FAMILY_STEPS.get(family, 5))
 
     reference = run_scenario(config(ParallelConfig()), 1)["losses"]
     runs = run_scenario.layouts([config(parallel) for parallel in NEW_FAMILY_LAYOUTS[family]], 2)
