@@ -68,11 +68,11 @@ def test_round_trip_is_bitwise_identical_and_loadable(family, converted):
 @pytest.mark.parametrize("family, saved_at, loaded_at", [
     ("qwen2", (1, 2, 1), (2, 1, 1)),    # tied embeddings: saved at PP2, loaded at TP2
     ("mixtral", (1, 1, 2), (1, 1, 1)),  # saved at EP2, loaded at EP1
+    ("gpt_oss", (2, 1, 2), (1, 2, 1)),  # sinks split by head and experts with biases: saved at TP2 x EP2, loaded at PP2
 ], ids=str)
 def test_checkpoint_saved_at_one_layout_loads_at_another(family, saved_at, loaded_at, converted, tmp_path):
     hf, ckpt, _ = converted[family]
-    as_parallel = lambda t: ParallelConfig(tensor_model_parallel_size=t[0], pipeline_model_parallel_size=t[1],
-                                           expert_model_parallel_size=t[2])
+    as_parallel = lambda t: layout_for(family, *t)
     resharded = tmp_path / "resharded"
     convert.reshard(ckpt, resharded, as_parallel(saved_at))
     writers = {p.name.split("_")[2] for p in resharded.glob("__*_*.distcp")}  # __<rank>_<file>.distcp
