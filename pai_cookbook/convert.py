@@ -43,7 +43,9 @@ __all__ = ["DEFAULT_SHARD_BYTES", "DIRECTIONS", "IGNORED_HF_TENSORS", "ConvertJo
 
 
 def compare_hf_checkpoints(a: str | Path, b: str | Path) -> dict[str, Any]:
-    """Tensor-by-tensor bitwise comparison of two HF folders (one tensor pair in memory at a time)."""
+    """Tensor-by-tensor bitwise comparison of two HF folders (one tensor pair in memory at a time), by the names the
+    conversion reads them under (a multimodal model's language model as the text model's; GPT-OSS's MXFP4 experts as
+    their blocks and scales, which an unquantized folder does not have: listed as different)."""
     from safetensors import safe_open
 
     left, right = inspect_hf(a), inspect_hf(b)
@@ -51,7 +53,7 @@ def compare_hf_checkpoints(a: str | Path, b: str | Path) -> dict[str, Any]:
     for name in sorted(set(left.tensors) & set(right.tensors)):
         with safe_open(left.folder / left.tensors[name][0], "pt") as f, \
                 safe_open(right.folder / right.tensors[name][0], "pt") as g:
-            x, y = f.get_tensor(name), g.get_tensor(name)
+            x, y = f.get_tensor(left.stored.get(name, name)), g.get_tensor(right.stored.get(name, name))
         if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
             different.append(name)
     return {"tensors": len(left.tensors), "bitwise_identical": not different, "different": different}

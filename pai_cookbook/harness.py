@@ -33,7 +33,7 @@ from lm_eval.api.registry import register_model
 from pai_cookbook import evaluate
 from pai_cookbook.core.checkpoints import checkpoint
 from pai_cookbook.core.configs import layout
-from pai_cookbook.core.configs.config import ConfigError, ParallelConfig, PrecisionConfig
+from pai_cookbook.core.configs.config import ConfigError, PrecisionConfig
 
 NAME = "pai-megatron"
 HARNESS_SUPPLIED = ("device", "max_batch_size")
@@ -72,10 +72,10 @@ class MegatronLM(TemplateLM):
         self.ckpt = resolve_checkpoint(path)
         self.tokenizer = evaluate.tokenizer(self.ckpt)
         self.max_length = evaluate.max_length(self.ckpt)
-        self.parallel = ParallelConfig(tensor_model_parallel_size=int(tensor_parallel_size),
-                                       pipeline_model_parallel_size=int(pipeline_parallel_size),
-                                       sequence_parallel=_flag(sequence_parallel))
         model, _ = checkpoint.read_config(self.ckpt)
+        # for this model (GPT-OSS's experts at expert-TP 1)
+        self.parallel = layout.for_model(model, int(tensor_parallel_size), int(pipeline_parallel_size),
+                                         sequence_parallel=_flag(sequence_parallel))
         layout.check(model, self.parallel, purpose="load")
         self.precision = PrecisionConfig(dtype=dtype)
         if str(batch_size).startswith("auto"):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pai_cookbook.convert import _write
-from pai_cookbook.core.checkpoints import checkpoint, checkpoint_config
+from pai_cookbook.core.checkpoints import checkpoint, checkpoint_config, families
 from pai_cookbook.core.configs import layout
 from pai_cookbook.core.configs.config import ParallelConfig
 from pai_cookbook.core.configs.lora import TARGETS, LoRAConfig
@@ -97,6 +97,13 @@ def export_peft(adapters: str | Path, out: str | Path, *, base_model: str | Path
             f"was trained), or train with targets=['linear_qkv', 'linear_proj'] to export an adapter.")
     source = checkpoint_config.description(base).get("source")
     if base_model is None and source and (Path(source) / "config.json").exists():
+        source_type = json.loads((Path(source) / "config.json").read_text()).get("model_type")
+        if source_type in families.MULTIMODAL:
+            raise ConfigError(f"the adapters' base came from {source}, a multimodal {source_type} whose language model "
+                              f"alone was converted: an adapter on it would name modules that model does not have (its "
+                              f"language model's sit under another prefix, beside a vision tower's of the same names). "
+                              f"Export the base (convert.megatron_to_hf({str(base)!r}, folder): the text model) and pass "
+                              f"base_model=folder.")
         base_model = source
     if base_model is None:
         raise ConfigError(f"the adapters' base {base} names no Hugging Face folder it came from that still exists "

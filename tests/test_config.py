@@ -103,6 +103,12 @@ BAD_FIELDS = [
      r"max_position_embeddings 100000 exceeds rotary's longest wavelength .* = 62832 tokens"),
     ("sequence longer than the model's context", lambda: run(data=DataConfig(seq_length=512)),
      r"seq_length 512 exceeds the model's max_position_embeddings 256"),
+    ("YaRN on part of each head outside multi-latent attention", lambda: families.tiny(
+        "qwen3", rotary_percent=0.5, yarn={"factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}),
+     r"yarn with rotary_percent 0.5: GPTModel's YaRN rotary turns whole heads"),
+    ("attention sinks with attention dropout", lambda: families.tiny("gpt_oss", attention_dropout=0.1),
+     r"attention_dropout 0.1 with attention sinks: the cookbook's sink attention has no dropout"),
     ("top-k above expert count", lambda: families.tiny("mixtral", moe_router_topk=5),
      r"moe_router_topk 5 exceeds num_experts 4"),
     ("sinkhorn with top-2", lambda: families.tiny("mixtral", moe_router_load_balancing_type="sinkhorn"),

@@ -109,6 +109,17 @@ def test_gpt_oss_experts_released_in_mxfp4_convert_as_transformers_dequantizes_t
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
 
     from safetensors.torch import save_file
+
+    from pai_cookbook.core.checkpoints.hf_mapping import NonFiniteWeights
+    name = "model.layers.0.mlp.experts.gate_up_proj_scales"  # a scale of 255 (E8M0's NaN) dequantizes to Inf
+    shard = release / stored[name]
+    tensors = load_file(shard)
+    tensors[name][2, 5, 0] = 255
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeights, match=r"model.layers.0.mlp.experts.gate_up_proj\[2\] in .* holds 0 NaN and "
+                                               r"[1-9][0-9]* Inf"):
+        convert.hf_to_megatron(release, tmp_path / "inf")
+
     name = "model.layers.1.mlp.experts.down_proj_scales"
     shard = release / stored[name]
     tensors = load_file(shard)

@@ -97,6 +97,9 @@ def test_features_megatron_lacks_are_refused(overrides, message):
 
 @pytest.mark.parametrize("family, overrides, message", [
     ("deepseek_v3", {"rope_interleave": False}, r"rope_interleave=False; Megatron-Core's multi-latent attention"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": False,
+                                         "original_max_position_embeddings": 64}},
+     r"yarn rotary scaling with \{'truncate': False\} has no Megatron-Core equivalent"),
     ("deepseek_v3", {"rms_norm_eps": 1e-5}, r"rms_norm_eps=1e-05; transformers builds the latent norms with 1e-06"),
     ("deepseek_v3", {"num_experts_per_tok": 2}, r"num_experts_per_tok=2 and topk_group=2; .* best 2 experts"),
     ("deepseek_v3", {"norm_topk_prob": False}, r"norm_topk_prob=False; Megatron-Core's sigmoid router always"),

@@ -44,7 +44,8 @@ class _HFReader:
         base, row = hf_mapping.stacked(name)  # a stacked expert's row is read alone
         if base not in self.source.tensors:  # stored in MXFP4: dequantized, and transposed to transformers' layout
             blocks, scales = (self._read(base + suffix, row) for suffix in mxfp4.SUFFIXES)
-            return mxfp4.dequantize(blocks, scales, self.source.dtype).transpose(-1, -2)
+            return hf_mapping.check_finite(name, mxfp4.dequantize(blocks, scales, self.source.dtype).transpose(-1, -2),
+                                           str(self.source.folder / self.source.tensors[base + "_blocks"][0]))
         path = self.source.folder / self.source.tensors[base][0]
         return hf_mapping.check_finite(name, self._read(base, row), str(path))
 
@@ -82,7 +83,7 @@ def _lazy_planner(model: ModelConfig, read: _HFReader, chunks: list[Chunk], padd
                     kind, hf_names = hf_mapping.hf_names(name, model)
                     built = hf_mapping.to_megatron(kind, [read(n) for n in hf_names], model, padded_vocab)
                     if not built.is_contiguous() or built.storage_offset():  # a transposed or stacked expert's row:
-                        built = built.contiguous().clone()  # resolve_data's chunk views index its storage from 0
+                        built = built.clone(memory_format=torch.contiguous_format)  # chunk views index its storage from 0
                     self.live[name] = built
                 return self.live[name]
 
@@ -160,7 +161,8 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
     assets (1-process worker); a reward model's scalar head as `score.weight`. The caller adds config.json.
 
     A full shard is written by a background thread while the next one is read (safetensors' write releases the
-    GIL): at most two shards are in memory, the one being written and the one filling."""
+    GIL): at most two shards are in memory, the one being written and the one filling, and where experts are stored
+    stacked (GPT-OSS) one stacked tensor being filled."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     from safetensors.torch import save_file
@@ -169,7 +171,7 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
     head = checkpoint.head(ckpt)
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, files, weight_map, total = 0, [], {}, 0
-    rows: dict[str, dict[int, torch.Tensor]] = {}  # stacked experts' rows, until the layer's last expert comes
+    stacks: dict[str, tuple[torch.Tensor, set[int]]] = {}  # stacked experts: the tensor, the rows not yet written
     writing: Future | None = None
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="safetensors-writer") as writer:
@@ -188,12 +190,14 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
                 else hf_mapping.hf_names(name, model)
             for hf_name, hf_tensor in zip(hf_names, hf_mapping.to_hf(kind, tensor, model)):
                 hf_name, row = hf_mapping.stacked(hf_name)
-                if row is not None:
-                    rows.setdefault(hf_name, {})[row] = hf_tensor.clone()  # the reader reuses its buffers
-                    if len(rows[hf_name]) < model.num_experts:
+                if row is not None:  # a row of a stacked tensor, copied in (the reader reuses its buffers)
+                    stack, missing = stacks.setdefault(hf_name, (hf_tensor.new_empty(model.num_experts, *hf_tensor.shape),
+                                                                 set(range(model.num_experts))))
+                    stack[row].copy_(hf_tensor)
+                    missing.discard(row)
+                    if missing:
                         continue
-                    hf_tensor = torch.stack([rows[hf_name][e] for e in range(model.num_experts)])
-                    del rows[hf_name]
+                    hf_tensor = stacks.pop(hf_name)[0]
                 size = hf_tensor.numel() * hf_tensor.element_size()
                 if shard_bytes and shard_bytes + size > max_shard_bytes:
                     flush()
@@ -201,6 +205,9 @@ def write_hf(ckpt: Path, partial: Path, max_shard_bytes: int = DEFAULT_SHARD_BYT
                 shard_bytes += size
                 total += size
                 weight_map[hf_name] = len(files)
+        if stacks:
+            raise RuntimeError(f"the checkpoint lacks rows of stacked expert tensors: "
+                               f"{ {name: sorted(missing) for name, (_, missing) in stacks.items()} }")
         if shard:
             flush()
         if writing is not None:

@@ -227,6 +227,8 @@ def load_hf_config(source: str | Path | dict[str, Any] | Any) -> Any:
         return source
     if isinstance(source, dict):
         kwargs = {k: v for k, v in source.items() if k not in ("model_type", "auto_map")}
+        if source.get("model_type") in MULTIMODAL:  # its text_config is read by from_hf
+            return AutoConfig.for_model(source["model_type"], **kwargs)
         if _family_type(source) not in FAMILIES:
             raise ConfigError(f"unsupported architecture: model_type={source.get('model_type')!r}; "
                               f"the cookbook supports {supported()}.")

@@ -65,7 +65,7 @@ def yarn(params: dict[str, Any], hf: Any, unrounded: bool = False) -> dict[str, 
     rounds the correction range to whole dimensions unless it is false, as GPT-OSS's is) is kept where `unrounded`
     (GPTModel's YaRN takes it), refused otherwise."""
     refused = {k: params[k] for k in ("attention_factor",) if params.get(k) is not None}
-    truncate = params.get("truncate", True) is not False
+    truncate = bool(params.get("truncate", True))  # as transformers reads it: 0 and null do not round
     if not truncate and not unrounded:
         refused["truncate"] = False
     original = params.get("original_max_position_embeddings") or hf.max_position_embeddings

@@ -239,6 +239,13 @@ class ModelConfig:
         require(self.yarn is None or not self.multi_latent_attention or self.yarn.get("truncate", 1) == 1,
                  "yarn with truncate=0 (an unrounded correction range) is built by GPTModel's YaRN rotary, not by "
                  "multi-latent attention's; remove truncate or set it to 1.")
+        require(self.yarn is None or self.multi_latent_attention or self.rotary_percent == 1.0,
+                 f"yarn with rotary_percent {self.rotary_percent}: GPTModel's YaRN rotary turns whole heads; positions "
+                 f"would differ. Use rotary_percent=1.0 or no yarn.")
+        require(not (self.attention_sinks and self.attention_dropout > 0),
+                 f"attention_dropout {self.attention_dropout} with attention sinks: the cookbook's sink attention has no "
+                 f"dropout (Megatron-Core's unfused softmax, which has, puts a sliding window's mask in place of the "
+                 f"padding's); GPT-OSS trains without it: set attention_dropout=0.")
         require((self.glu_clamp is None and self.glu_linear_offset == 0.0) or self.gated,
                  f"glu_clamp and glu_linear_offset shape a gated MLP's halves; activation {self.activation!r} is not "
                  f"gated.")

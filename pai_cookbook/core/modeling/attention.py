@@ -10,7 +10,8 @@ Transformer Engine, flash or memory-efficient kernels): same parameters (none), 
 
 - Causal: Megatron-Core's rule (a causal mask when none is given and the query has more than one position,
   queries and keys aligned from position 0); a one-position query (a KV-cached decode step) sees every key.
-- Grouped-query attention: the kernel's `enable_gqa`, so keys and values are not repeated.
+- Grouped-query attention: the kernel's `enable_gqa`, so keys and values are not repeated (the sinks' path, below,
+  repeats them).
 - A given boolean mask (True: masked, Megatron-Core's convention; e.g. `sft.attention_mask`, block-diagonal for
   packed rows) is passed to the kernel, inverted.
 - Sliding windows (`TransformerConfig.window_size`, on the layers Megatron-Core gives one): the window's mask

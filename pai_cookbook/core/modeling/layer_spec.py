@@ -93,9 +93,10 @@ def _expert_output_bias(fc2) -> None:
       (there is none to do): `MLP.forward` adds an expert's bias to the projection's output in place, and that output
       was the tensor-parallel reduce's over one rank, which hands its input back as a view that autograd forbids
       changing in place (training failed at the first step)."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
     from megatron.core.utils import get_pg_size
 
-    if fc2.bias is None:
+    if not isinstance(fc2, RowParallelLinear) or fc2.bias is None:  # Transformer Engine's experts: as upstream builds them
         return
     fc2.bias.sequence_parallel = False
     if get_pg_size(fc2.tp_group) == 1 and not fc2.explicit_expert_comm:

@@ -84,7 +84,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         gradient_accumulation_fusion=fused,
         masked_softmax_fusion=fused,
         persist_layer_norm=fused,
-        bias_dropout_fusion=fused,
+        # Megatron-Core's grouped experts refuse biases with the fused bias-dropout-add (GPT-OSS on Transformer Engine)
+        bias_dropout_fusion=fused and not (model.is_moe and model.add_bias_linear),
         deallocate_pipeline_outputs=True,
     )
     if model.sliding_window:  # Hugging Face's window W: a query sees itself and the W - 1 keys before it
