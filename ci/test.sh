@@ -64,7 +64,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 ( bash ci/setup_env.sh 0.16 > "$work/setup016.log" 2>&1; echo $? > "$work/setup016.status" ) &
 setup016=$!
 (
-  "${PYTEST[@]}" -m "(notebook or real_model) and not real_notebook" --basetemp "$work/notebooks"
+  "${PYTEST[@]}" -m "(notebook or real_model or second_stream) and not real_notebook" --basetemp "$work/notebooks"
   echo $? > "$work/notebooks.status"
   while [ ! -f "$work/setup016.status" ]; do sleep 5; done
   echo "================ checkpoints and runs moved between Megatron-Core 0.16 and 0.19 ================"
@@ -74,7 +74,7 @@ setup016=$!
   fi
 ) > "$work/notebooks.log" 2>&1 &
 notebooks=$!
-"${PYTEST[@]}" -m "not notebook and not real_model and not releases" --basetemp "$work/tests"
+"${PYTEST[@]}" -m "not notebook and not real_model and not releases and not second_stream" --basetemp "$work/tests"
 tests_status=$?
 wait "$setup016"
 setup016_status=$(cat "$work/setup016.status")
@@ -91,9 +91,9 @@ releases_status=$(cat "$work/releases.status" 2>/dev/null || echo 1)
 echo "================ notebooks, the real model, then the release-crossing tests (the second stream) ================"
 cat "$work/notebooks.log"
 rm -rf "$work"
-check_collected "$tests_status" "-m 'not notebook and not real_model'" || exit $?
+check_collected "$tests_status" "-m 'not notebook and not real_model and not second_stream'" || exit $?
 [ "$setup016_status" -eq 0 ] || { echo "test.sh: bash ci/setup_env.sh 0.16 failed (its log is above)" >&2; exit 1; }
 check_collected "$second_status" "-m both_ends on Megatron-Core 0.16" || exit $?
-check_collected "$notebooks_status" "-m '(notebook or real_model) and not real_notebook'" || exit $?
+check_collected "$notebooks_status" "-m '(notebook or real_model or second_stream) and not real_notebook'" || exit $?
 check_collected "$releases_status" "-m releases" || exit $?
 exit 0

@@ -252,6 +252,7 @@ def test_a_base_written_again_in_place_is_another_base(conversations, tmp_path):
         train.run(dataclasses.replace(config, train_iters=5), run_dir=tmp_path / "more", **QUIET)
 
 
+@pytest.mark.second_stream  # about 4 minutes: run beside the notebooks (ci/test.sh)
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma3_text"])
 def test_an_moe_or_2026_models_peft_export_loads_as_trained_or_is_refused(family, tmp_path):
     """Every MoE family, and Gemma 3 (its attention's and MLP's outputs normed after the adapters add theirs, as PEFT
