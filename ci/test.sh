@@ -74,7 +74,8 @@ setup016=$!
   fi
 ) > "$work/notebooks.log" 2>&1 &
 notebooks=$!
-"${PYTEST[@]}" -m "not notebook and not real_model and not releases and not second_stream" --basetemp "$work/tests"
+"${PYTEST[@]}" -m "not notebook and not real_model and not releases and not second_stream and not full_matrix" \
+  --basetemp "$work/tests"
 tests_status=$?
 wait "$setup016"
 setup016_status=$(cat "$work/setup016.status")

@@ -16,9 +16,13 @@ from pai_cookbook.fixtures.tiny_models import make_tiny_hf_model
 from tests.conftest import layout_for, on_both_ends
 
 MOE = {f for f in families.supported() if families.tiny(f).is_moe}
-# (TP, PP, EP): the TP x PP grid for every family; EP=2 (alone and with TP=2) for the MoE families.
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
+# (TP, PP, EP): TP=2 and PP=2 for every family; EP=2 (alone and with TP=2) for the MoE families.
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1)]
 MOE_LAYOUTS = [(1, 1, 2), (2, 1, 2)]
+# The whole TP x PP grid (TP2 x PP2, and TP2 x EP2 at expert-TP 2: four processes) in the default tier for the 2026
+# issue's families and one dense and one MoE family; for the others in the full_matrix tier (bash ci/test.sh -m
+# full_matrix), where they run at two processes here (TP2 x EP2 at expert-TP 1).
+FULL_MATRIX = ("llama", "mixtral", "gemma3_text", "gpt_oss")
 
 
 def assert_parity(r: dict) -> None:
@@ -38,8 +42,26 @@ SECOND_TIER_FAMILIES = ("llama", "mixtral")
                                     for f in families.supported()])
 def test_logits_match_transformers_at_every_layout(family, converted, tmp_path):
     hf, ckpt, _ = converted[family]
-    layouts = LAYOUTS + (MOE_LAYOUTS if family in MOE else [])
-    rows = parity.check_layouts(hf, ckpt, [layout_for(family, tp, pp, ep) for tp, pp, ep in layouts], run_dir=tmp_path)
+    full = family in FULL_MATRIX
+    layouts = LAYOUTS + [(2, 2, 1)] * full + (MOE_LAYOUTS if family in MOE else [])
+    parallel = [layout_for(family, tp, pp, ep, **({} if full or ep == 1 else {"expert_tensor_parallel_size": 1}))
+                for tp, pp, ep in layouts]
+    _match(hf, ckpt, layouts, parallel, tmp_path)
+
+
+@pytest.mark.full_matrix
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", [f for f in families.supported() if f not in FULL_MATRIX])
+def test_the_other_families_match_transformers_on_four_processes(family, converted, tmp_path):
+    """The rest of the grid for the families the default tier runs at two processes: TP2 x PP2, and TP2 x EP2 at
+    expert-TP 2 for a mixture of experts."""
+    hf, ckpt, _ = converted[family]
+    layouts = [(2, 2, 1)] + ([(2, 1, 2)] if family in MOE else [])
+    _match(hf, ckpt, layouts, [layout_for(family, tp, pp, ep) for tp, pp, ep in layouts], tmp_path)
+
+
+def _match(hf, ckpt, layouts: list[tuple[int, int, int]], parallel: list[ParallelConfig], tmp_path) -> None:
+    rows = parity.check_layouts(hf, ckpt, parallel, run_dir=tmp_path)
     assert [(r["tp"], r["pp"], r["ep"]) for r in rows] == layouts
     for row in rows:
         assert_parity(row)
