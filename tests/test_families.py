@@ -146,11 +146,20 @@ def test_deepseek_v3_reads_as_released(tmp_path):
     assert (model.moe_router_num_groups, model.moe_router_group_topk, model.moe_router_topk_scaling_factor) == (8, 4, 2.5)
 
 
+def _read_as_the_planners_shape(released: dict, name: str, tmp_path) -> dict:
+    """The fields in which the model read from a published config.json differs from the planner's shape `name` (the
+    init std aside: a training setting)."""
+    from pai_cookbook.plan.shapes import SHAPES
+
+    (tmp_path / "config.json").write_text(json.dumps(released))
+    model, shape = families.from_hf(tmp_path), SHAPES[name]
+    return {f.name: (getattr(model, f.name), getattr(shape, f.name)) for f in dataclasses.fields(model)
+            if getattr(model, f.name) != getattr(shape, f.name) and f.name != "init_method_std"}
+
+
 def test_gpt_oss_reads_as_released(tmp_path):
     """gpt-oss-20b's config.json as published (legacy rope_scaling with truncate false, the legacy experts_per_token,
     MXFP4's quantization_config, a hidden_act it does not use): the planner's shape of it, field for field."""
-    from pai_cookbook.plan.shapes import SHAPES
-
     released = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 2880,
                 "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
                 "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
@@ -163,19 +172,12 @@ def test_gpt_oss_reads_as_released(tmp_path):
                 "router_aux_loss_coef": 0.9, "pad_token_id": 199999, "eos_token_id": 200002,
                 "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
                     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
-    (tmp_path / "config.json").write_text(json.dumps(released))
-    model = families.from_hf(tmp_path)
-    shape = SHAPES["gpt-oss-20b"]
-    different = {f.name: (getattr(model, f.name), getattr(shape, f.name)) for f in dataclasses.fields(model)
-                 if getattr(model, f.name) != getattr(shape, f.name) and f.name != "init_method_std"}
-    assert different == {}, different
+    assert _read_as_the_planners_shape(released, "gpt-oss-20b", tmp_path) == {}
 
 
 def test_gemma_3_27b_reads_as_released(tmp_path):
     """Gemma 3 27B's config.json as published (the multimodal `gemma3`: a text_config of the fields that differ from
     transformers' defaults, a SigLIP vision_config): its language model is the planner's shape of it, field for field."""
-    from pai_cookbook.plan.shapes import SHAPES
-
     released = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
                 "eoi_token_index": 256000, "image_token_index": 262144, "eos_token_id": [1, 106],
                 "mm_tokens_per_image": 256, "initializer_range": 0.02,
@@ -186,12 +188,7 @@ def test_gemma_3_27b_reads_as_released(tmp_path):
                 "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
                                   "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
                                   "patch_size": 14, "vision_use_head": False}}
-    (tmp_path / "config.json").write_text(json.dumps(released))
-    model = families.from_hf(tmp_path)
-    shape = SHAPES["Gemma-3-27B"]
-    different = {f.name: (getattr(model, f.name), getattr(shape, f.name)) for f in dataclasses.fields(model)
-                 if getattr(model, f.name) != getattr(shape, f.name) and f.name != "init_method_std"}
-    assert different == {}, different
+    assert _read_as_the_planners_shape(released, "Gemma-3-27B", tmp_path) == {}
 
 
 def test_missing_config_json_is_explained(tmp_path):
