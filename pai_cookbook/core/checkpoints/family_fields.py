@@ -179,6 +179,22 @@ def glm4_moe_write(m: ModelConfig) -> dict[str, Any]:
     return grouped_sigmoid_router_hf(m) | {"attention_bias": m.add_qkv_bias, "use_qk_norm": m.qk_layernorm}
 
 
+def window_layers(hf: Any) -> list[int]:
+    """`ModelConfig.sliding_window_layers` of a config's `layer_types` (Gemma 3's, GPT-OSS's): 1 for a sliding-window
+    layer, 0 for a full one; any other kind refused."""
+    kinds = list(hf.layer_types)
+    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"{hf.model_type}: layer types {unknown}; the cookbook builds sliding_attention and "
+                          f"full_attention layers.")
+    return [int(kind == "sliding_attention") for kind in kinds]
+
+
+def layer_types(m: ModelConfig) -> list[str]:
+    """`layer_types` of `m.sliding_window_layers`: `window_layers`' inverse."""
+    return ["sliding_attention" if flag else "full_attention" for flag in m.sliding_window_layers]
+
+
 def gemma3_read(hf: Any) -> dict[str, Any]:
     """Gemma 3's text model (`gemma3_text`): sliding-window layers with their own rotary base beside full-attention
     ones (whose rotary may be linearly scaled), queries scaled by `query_pre_attn_scalar`, (1 + w) norms on the
@@ -194,11 +210,6 @@ def gemma3_read(hf: Any) -> dict[str, Any]:
     activation = getattr(hf, "hidden_activation", "gelu_pytorch_tanh")
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ConfigError(f"gemma3_text: hidden_activation={activation!r}; the cookbook maps Gemma's gelu_pytorch_tanh.")
-    kinds = list(hf.layer_types)
-    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
-    if unknown:
-        raise ConfigError(f"gemma3_text: layer types {unknown}; the cookbook builds sliding_attention and "
-                          f"full_attention layers.")
     rope = hf.rope_parameters
     local, full = rope.get("sliding_attention", {}), rope.get("full_attention", {})
     if local.get("rope_type", "default") != "default" or full.get("rope_type", "default") not in ("default", "linear"):
@@ -208,7 +219,7 @@ def gemma3_read(hf: Any) -> dict[str, Any]:
     return {"activation": "geglu", "qk_layernorm": True, "norm_plus_one": True, "post_norms": True,
             "embedding_multiplier": hf.hidden_size ** 0.5, "query_pre_attn_scalar": hf.query_pre_attn_scalar,
             "sliding_window": hf.sliding_window,
-            "sliding_window_layers": [int(kind == "sliding_attention") for kind in kinds],
+            "sliding_window_layers": window_layers(hf),
             "rotary_base": float(full.get("rope_theta", 1e6)), "local_rotary_base": float(local.get("rope_theta", 1e4)),
             "rotary_linear_factor": None if factor is None else float(factor)}
 
@@ -218,7 +229,7 @@ def gemma3_write(m: Any) -> dict[str, Any]:
         {"rope_type": "linear", "rope_theta": m.rotary_base, "factor": m.rotary_linear_factor}
     return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": m.query_pre_attn_scalar,
             "sliding_window": m.sliding_window, "final_logit_softcapping": None, "use_bidirectional_attention": False,
-            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in m.sliding_window_layers],
+            "layer_types": layer_types(m),
             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": m.local_rotary_base},
                                 "full_attention": full}}
 
@@ -242,16 +253,12 @@ def gpt_oss_read(hf: Any) -> dict[str, Any]:
     if alpha != GPT_OSS_ALPHA:
         raise ConfigError(f"gpt_oss: swiglu_alpha={alpha}; Megatron-Core's quick GELU has {GPT_OSS_ALPHA} built in "
                           f"(every released GPT-OSS's), so this checkpoint's MLPs cannot be reproduced exactly.")
-    kinds = list(hf.layer_types)
-    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
-    if unknown:
-        raise ConfigError(f"gpt_oss: layer types {unknown}; the cookbook builds sliding_attention and full_attention.")
     if not hf.attention_bias:
         raise ConfigError("gpt_oss: attention_bias=False; Megatron-Core gives the router and the experts biases "
                           "together with the attention's (add_bias_linear), as every released GPT-OSS has them.")
     return {"activation": "quick_geglu", "glu_clamp": float(hf.swiglu_limit), "glu_linear_offset": 1.0,
             "attention_sinks": True, "add_bias_linear": True, "sliding_window": hf.sliding_window,
-            "sliding_window_layers": [int(kind == "sliding_attention") for kind in kinds],
+            "sliding_window_layers": window_layers(hf),
             "num_experts": hf.num_local_experts, "moe_router_topk": hf.num_experts_per_tok,
             "moe_ffn_hidden_size": hf.intermediate_size, "moe_aux_loss_coeff": 0.0,
             "moe_router_load_balancing_type": "none"}
@@ -265,4 +272,4 @@ def gpt_oss_write(m: Any) -> dict[str, Any]:
     return {"num_local_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
             "intermediate_size": m.moe_ffn_hidden_size, "swiglu_limit": m.glu_clamp, "attention_bias": True,
             "sliding_window": m.sliding_window, "rope_parameters": rope,
-            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in m.sliding_window_layers]}
+            "layer_types": layer_types(m)}
