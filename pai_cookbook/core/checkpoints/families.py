@@ -43,6 +43,9 @@ class Family:
     activation_key: str = "hidden_act"
     """The config.json key of the MLP's activation: "silu" there, checked and written; another key (Gemma's
     `hidden_activation`, GPT-OSS's `swiglu_limit`, whose `hidden_act` is unused) is `read`'s to check."""
+    not_keys: tuple[str, ...] = ()
+    """The transformer fields `to_hf` writes that this family's config does not have (a hybrid's rotary and
+    rms_norm_eps): left out of its config.json."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -157,6 +160,14 @@ FAMILIES: dict[str, Family] = {
                                   "truncate": False}},
         activation_key="swiglu_limit",
     ),
+    # Nemotron-H's shapes, shrunk: each kind of layer, Mamba-2 before attention and before an MLP, split 2 + 2 at PP=2;
+    # 8 Mamba heads of 16 in 2 groups (8B: 128 heads of 64 in 8 groups) with a state of 16 (128), and chunks of 8
+    # positions (128), shorter than the tests' sequences, so that the scan carries its state across chunks
+    "nemotron_h": Family(
+        "nemotron_h", "NemotronHForCausalLM", read=family_fields.nemotron_h_read, write=family_fields.nemotron_h_write,
+        tiny={"num_hidden_layers": 4, "hybrid_override_pattern": "M*M-", "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16,
+              "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8, "conv_kernel": 4, "layer_norm_epsilon": 1e-5},
+        activation_key="mlp_hidden_act", not_keys=("rope_parameters", "rms_norm_eps")),
 }
 
 # A tiny model of each family: 2 layers, width 64, GQA 4 heads over 2 KV heads, 256-token vocabulary
@@ -300,7 +311,7 @@ def from_hf(source: str | Path | dict[str, Any] | Any) -> ModelConfig:
         kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         vocab_size=hf.vocab_size,
         max_position_embeddings=hf.max_position_embeddings,
-        norm_epsilon=hf.rms_norm_eps,
+        norm_epsilon=getattr(hf, "rms_norm_eps", None),  # a hybrid's read gives its own
         normalization="RMSNorm",
         activation="swiglu",
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
@@ -351,9 +362,20 @@ def to_hf(model: ModelConfig, base: dict[str, Any] | None = None) -> Any:
         kwargs["hidden_act"] = "silu"
     # the cookbook writes unquantized weights: a source's quantization_config (GPT-OSS's MXFP4) would misdescribe them
     # (and an alias's auto_map, the remote code of a config class the family's own replaces)
-    kept = {k: v for k, v in (base or {}).items() if k not in ("model_type", "transformers_version",
-                                                               "quantization_config", "auto_map")}
+    kept = {k: _json_floats(v) for k, v in (base or {}).items() if k not in ("model_type", "transformers_version",
+                                                                             "quantization_config", "auto_map")}
+    kwargs = {k: v for k, v in kwargs.items() if k not in family.not_keys}
     return AutoConfig.for_model(family.name, **(kept | kwargs | family.write(model)))
+
+
+def _json_floats(value: Any) -> Any:
+    """A config.json value with transformers' spelling of the floats JSON lacks (`{"__float__": "Infinity"}`, as in
+    Nemotron-H's time_step_limit) read back as floats."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(value["__float__"].replace("Infinity", "inf"))
+        return {k: _json_floats(v) for k, v in value.items()}
+    return [_json_floats(v) for v in value] if isinstance(value, list) else value
 
 
 def tiny_hf_config(family: str, **overrides: Any) -> Any:
@@ -362,7 +384,8 @@ def tiny_hf_config(family: str, **overrides: Any) -> Any:
         raise ConfigError(f"unknown family {family!r}; the cookbook supports {supported()}.")
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(family, **(TINY_HF | FAMILIES[family].tiny | overrides))
+    base = {k: v for k, v in TINY_HF.items() if k not in FAMILIES[family].not_keys}
+    return AutoConfig.for_model(family, **(base | FAMILIES[family].tiny | overrides))
 
 
 def tiny(family: str = "llama", **overrides: Any) -> ModelConfig:

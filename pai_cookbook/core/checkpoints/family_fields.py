@@ -273,3 +273,33 @@ def gpt_oss_write(m: Any) -> dict[str, Any]:
             "intermediate_size": m.moe_ffn_hidden_size, "swiglu_limit": m.glu_clamp, "attention_bias": True,
             "sliding_window": m.sliding_window, "rope_parameters": rope,
             "layer_types": layer_types(m)}
+
+
+def nemotron_h_read(hf: Any) -> dict[str, Any]:
+    """Nemotron-H: a hybrid of Mamba-2 ("M"), attention ("*") and MLP ("-") layers in the order of its pattern, each
+    one mixer after one RMSNorm; attention without positions (no rotary), MLPs of squared ReLU without a gate, no
+    biases. Its mixture-of-experts layers ("E", Nemotron 3) and multi-token prediction are refused by name."""
+    pattern = hf.hybrid_override_pattern
+    if "E" in pattern or getattr(hf, "num_nextn_predict_layers", 0):
+        raise ConfigError(f"nemotron_h: pattern {pattern!r} with mixture-of-experts layers ('E') or multi-token "
+                          f"prediction (num_nextn_predict_layers {getattr(hf, 'num_nextn_predict_layers', 0)}): the "
+                          f"cookbook builds Nemotron-H's Mamba-2, attention and dense MLP layers ('M', '*', '-') only.")
+    wanted = {"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_conv_bias": True, "use_bias": False,
+              "mlp_bias": False, "attention_bias": False}
+    found = {k: getattr(hf, k, v) for k, v in wanted.items()}
+    if found != wanted:
+        raise ConfigError(f"nemotron_h: {sorted(set(found.items()) - set(wanted.items()))}; Megatron-Core's hybrid "
+                          f"layers build {wanted} (every released Nemotron-H's).")
+    return {"hybrid_pattern": pattern, "num_layers": len(pattern), "position_embedding_type": "none",
+            "activation": "squared_relu", "norm_epsilon": hf.layer_norm_epsilon,
+            "mamba_num_heads": hf.mamba_num_heads, "mamba_head_dim": hf.mamba_head_dim,
+            "mamba_state_dim": hf.ssm_state_size, "mamba_num_groups": hf.n_groups,
+            "mamba_conv_kernel": hf.conv_kernel, "mamba_chunk_size": hf.chunk_size}
+
+
+def nemotron_h_write(m: ModelConfig) -> dict[str, Any]:
+    return {"hybrid_override_pattern": m.hybrid_pattern, "layer_norm_epsilon": m.norm_epsilon,
+            "mamba_num_heads": m.mamba_num_heads, "mamba_head_dim": m.mamba_head_dim, "ssm_state_size": m.mamba_state_dim,
+            "n_groups": m.mamba_num_groups, "conv_kernel": m.mamba_conv_kernel, "chunk_size": m.mamba_chunk_size,
+            "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_conv_bias": True, "use_bias": False,
+            "mlp_bias": False, "attention_bias": False}

@@ -90,6 +90,24 @@ STACKED_EXPERT_RULES: tuple[Rule, ...] = (
 )
 STACKED_EXPERTS = {"gpt_oss"}
 
+# Hybrid models (Nemotron-H): one mixer per layer under `backbone.layers.<i>.mixer` (Mamba-2, attention or MLP) after
+# one norm. Megatron-Core's Mamba mixer lays its input projection out as the release does ([z, x, B, C, dt] rows) and
+# its convolution as [x, B, C] channels: every tensor is copied, the attention's q/k/v fused as above.
+_B = "backbone.layers.{i}."
+_MIXER = r"mixer\.(?P<t>in_proj\.weight|dt_bias|A_log|D|norm\.weight|out_proj\.weight)"
+HYBRID_RULES: tuple[Rule, ...] = (
+    Rule(r"embedding\.word_embeddings\.weight", ("backbone.embeddings.weight",), "vocab"),
+    Rule(r"output_layer\.weight", ("lm_head.weight",), "vocab"),
+    Rule(r"decoder\.final_norm\.weight", ("backbone.norm_f.weight",), "copy"),
+    Rule(_L + r"(?:norm|input_layernorm|pre_mlp_layernorm)\.weight", (_B + "norm.weight",), "copy"),
+    Rule(_L + _MIXER, (_B + "mixer.{t}",), "copy"),
+    Rule(_L + r"mixer\.conv1d_(?P<t>weight|bias)", (_B + "mixer.conv1d.{t}",), "copy"),
+    Rule(_L + r"self_attention\.linear_qkv\.weight", tuple(_B + f"mixer.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Rule(_L + r"self_attention\.linear_proj\.weight", (_B + "mixer.o_proj.weight",), "copy"),
+    Rule(_L + r"mlp\.linear_fc1\.weight", (_B + "mixer.up_proj.weight",), "copy"),
+    Rule(_L + r"mlp\.linear_fc2\.weight", (_B + "mixer.down_proj.weight",), "copy"),
+)
+
 # How each family names its MoE block and expert projections on disk (the hub format, which is also
 # what transformers 5 writes with save_pretrained).
 _DENSE_NAMES = {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "shared": "shared_expert",
@@ -114,7 +132,8 @@ class UnmappedParameter(KeyError):
 def hf_names(megatron_name: str, model: ModelConfig) -> tuple[str, tuple[str, ...]]:
     """(kind, HF tensor names) that make the Megatron parameter `megatron_name`."""
     names = _MOE_NAMES.get(model.family, _DENSE_NAMES)
-    for rule in (STACKED_EXPERT_RULES if model.family in STACKED_EXPERTS else ()) + RULES:
+    rules = HYBRID_RULES if model.is_hybrid else (STACKED_EXPERT_RULES if model.family in STACKED_EXPERTS else ()) + RULES
+    for rule in rules:
         match = re.fullmatch(rule.megatron, megatron_name)
         if match:
             return rule.kind, tuple(h.format(**match.groupdict(), **names) for h in rule.hf)
@@ -219,6 +238,8 @@ def to_hf(kind: str, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Ten
 def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of `model` must hold, with its shape."""
     h, layers = model.hidden_size, model.num_layers
+    if model.is_hybrid:
+        return _hybrid_shapes(model)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
     if not model.tie_word_embeddings:
         shapes["lm_head.weight"] = (model.vocab_size, h)
@@ -293,3 +314,26 @@ def _mla_shapes(model: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         return shapes | {a + "q_proj.weight": (heads * q_head, h)}
     return shapes | {a + "q_a_proj.weight": (model.q_lora_rank, h), a + "q_a_layernorm.weight": (model.q_lora_rank,),
                      a + "q_b_proj.weight": (heads * q_head, model.q_lora_rank)}
+
+
+def _hybrid_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A hybrid model's tensors (Nemotron-H): per layer one norm and its mixer's (Mamba-2, attention or MLP)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    shapes = {"backbone.embeddings.weight": (model.vocab_size, h), "backbone.norm_f.weight": (h,)}
+    if not model.tie_word_embeddings:
+        shapes["lm_head.weight"] = (model.vocab_size, h)
+    heads, inner = model.mamba_num_heads, (model.mamba_num_heads or 0) * model.mamba_head_dim
+    conv = inner + 2 * model.mamba_num_groups * model.mamba_state_dim
+    for i, kind in enumerate(model.hybrid_pattern):
+        p = f"backbone.layers.{i}."
+        shapes[p + "norm.weight"] = (h,)
+        if kind == "M":
+            m = p + "mixer."
+            shapes |= {m + "in_proj.weight": (inner + conv + heads, h), m + "conv1d.weight": (conv, 1, model.mamba_conv_kernel),
+                       m + "conv1d.bias": (conv,), m + "dt_bias": (heads,), m + "A_log": (heads,), m + "D": (heads,),
+                       m + "norm.weight": (inner,), m + "out_proj.weight": (h, inner)}
+        elif kind == "*":
+            shapes |= {k.replace("self_attn.", "mixer."): v for k, v in _attention_shapes(model, p).items()}
+        else:
+            shapes |= {p + "mixer.up_proj.weight": (f, h), p + "mixer.down_proj.weight": (h, f)}
+    return shapes

@@ -87,6 +87,8 @@ def working_tps(m: ModelConfig) -> list[int]:
     sizes = [m.num_attention_heads, m.query_groups, m.ffn_hidden_size]
     if m.multi_latent_attention:
         sizes += [m.kv_lora_rank + m.qk_pos_emb_head_dim] + ([m.q_lora_rank] if m.q_lora_rank else [])
+    if m.is_hybrid and "M" in m.hybrid_pattern:
+        sizes += [m.mamba_num_heads, m.mamba_num_groups]
     return [t for t in divisors(m.num_attention_heads) if all(s % t == 0 for s in sizes)]
 
 
@@ -119,6 +121,8 @@ def check(model: ModelConfig, parallel: ParallelConfig, world: int | None = None
                                          f"{working_tps(m)}.")
     if m.multi_latent_attention:
         _check_latent_attention(m, tp)
+    if m.is_hybrid:
+        _check_hybrid(m, tp, vpp)
     stages = pp * (vpp or 1)
     splitter = f"PP x VPP = {stages}" if vpp else f"PP={pp}"
     require(m.num_layers % stages == 0,
@@ -174,6 +178,23 @@ def _check_latent_attention(m: ModelConfig, tp: int) -> None:
              f"TP in {working_tps(m)}.")
     require(kv % tp == 0, f"kv_lora_rank + qk_pos_emb_head_dim = {kv} is not divisible by TP={tp} (the key/value latent "
                           f"is split over TP ranks). Use TP in {working_tps(m)}.")
+
+
+def _check_hybrid(m: ModelConfig, tp: int, vpp: int | None) -> None:
+    """A hybrid model (Mamba-2 layers): the Megatron-Core release that builds it, and the Mamba heads and groups, which
+    TP splits whole."""
+    from pai_cookbook.core.machine import versions
+
+    require(versions.minor() >= (0, 19),
+             f"{m.family} is a hybrid model (Mamba-2 layers), built by Megatron-Core's HybridModel from 0.19 on; "
+             f"Megatron-Core {versions.megatron_core_version()} is installed. Install megatron-core{versions.MEGATRON_CORE} "
+             f"at 0.19 or later.")
+    if "M" in m.hybrid_pattern:
+        require(m.mamba_num_groups % tp == 0 and m.mamba_num_heads % tp == 0,
+                 f"TP={tp} must divide the Mamba-2 layers' {m.mamba_num_heads} heads and {m.mamba_num_groups} groups "
+                 f"(each TP rank holds whole groups). Use TP in {working_tps(m)}.")
+    require(vpp is None, f"virtual pipeline parallelism ({vpp}) for a hybrid model: its stages are set by '|' in "
+                         f"Megatron-Core's layer pattern, which the cookbook does not write; set it to None.")
 
 
 def _check_inference(p: ParallelConfig) -> None:

@@ -28,6 +28,10 @@ def positive(obj: Any, *names: str) -> None:
         require(value is None or value > 0, f"{type(obj).__name__}.{name} must be > 0, got {value}.")
 
 
+HYBRID_LAYERS = ("M", "*", "-")
+"""The layers a hybrid pattern may hold: Mamba-2, attention, MLP (Megatron-Core's `hybrid_layer_allocation.Symbols`)."""
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer, in Megatron-Core's vocabulary.
@@ -84,7 +88,7 @@ class ModelConfig:
     """Token embeddings are multiplied by it, rounded to the parameters' dtype first (Gemma: sqrt(hidden_size))."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     norm_epsilon: float = 1e-5
-    activation: Literal["swiglu", "gelu", "geglu", "quick_geglu"] = "swiglu"
+    activation: Literal["swiglu", "gelu", "geglu", "quick_geglu", "squared_relu"] = "swiglu"
     """MLP activation; swiglu means gated SiLU with gate and up projections, geglu gated GELU with tanh's
     approximation (Gemma's gelu_pytorch_tanh), quick_geglu the gate through x * sigmoid(1.702 x) (GPT-OSS's)."""
     glu_clamp: float | None = None
@@ -178,6 +182,19 @@ class ModelConfig:
     moe_grouped_gemm: bool | None = None
     """Grouped GEMM for experts; None picks it on GPU and a per-expert loop on CPU."""
 
+    # Hybrid models (Nemotron-H): Megatron-Core's HybridModel, one layer per symbol of the pattern
+    hybrid_pattern: str | None = None
+    """One symbol per layer: "M" a Mamba-2 layer, "*" an attention layer, "-" an MLP layer (each with its own pre-norm
+    and residual); None for a transformer (attention and MLP in every layer)."""
+    mamba_num_heads: int | None = None
+    mamba_head_dim: int = 64
+    mamba_state_dim: int = 128
+    mamba_num_groups: int = 8
+    """Groups of heads sharing one B and C projection (Mamba-2's `n_groups`)."""
+    mamba_conv_kernel: int = 4
+    mamba_chunk_size: int = 128
+    """Positions per chunk of the state-space scan: how the sum is split, not what it is."""
+
     def __post_init__(self) -> None:
         positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                   "num_query_groups", "kv_channels", "vocab_size", "max_position_embeddings",
@@ -249,6 +266,20 @@ class ModelConfig:
         require((self.glu_clamp is None and self.glu_linear_offset == 0.0) or self.gated,
                  f"glu_clamp and glu_linear_offset shape a gated MLP's halves; activation {self.activation!r} is not "
                  f"gated.")
+        if self.hybrid_pattern is not None:
+            symbols = set(self.hybrid_pattern)
+            require(len(self.hybrid_pattern) == self.num_layers and symbols <= set(HYBRID_LAYERS),
+                     f"hybrid_pattern {self.hybrid_pattern!r}: one symbol per layer ({self.num_layers}), each of "
+                     f"{HYBRID_LAYERS} ('M' Mamba-2, '*' attention, '-' MLP).")
+            positive(self, "mamba_num_heads", "mamba_head_dim", "mamba_state_dim", "mamba_num_groups",
+                     "mamba_conv_kernel", "mamba_chunk_size")
+            require("M" not in symbols or (self.mamba_num_heads is not None
+                                           and self.mamba_num_heads % self.mamba_num_groups == 0),
+                     f"mamba_num_heads {self.mamba_num_heads} must be set and divisible by mamba_num_groups "
+                     f"{self.mamba_num_groups} (whole groups of heads share B and C).")
+            require(not self.is_moe and not self.multi_latent_attention and self.sliding_window is None,
+                     "a hybrid pattern builds Mamba-2, attention and dense MLP layers; MoE, multi-latent attention and "
+                     "sliding windows in a hybrid model are not built by the cookbook.")
         if self.num_experts is not None and self.moe_router_num_groups is not None:
             groups, picked = self.moe_router_num_groups, self.moe_router_group_topk
             require(self.num_experts % groups == 0 and picked is not None and 0 < picked <= groups,
@@ -272,6 +303,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.hybrid_pattern is not None
+
+    def layer_kinds(self) -> str:
+        """One symbol per layer (`HYBRID_LAYERS`); a transformer's layers are each attention and MLP, "T"."""
+        return self.hybrid_pattern if self.is_hybrid else "T" * self.num_layers
 
     @property
     def gated(self) -> bool:

@@ -327,6 +327,25 @@ def _patch_inference_pipeline_tensors() -> None:
     communication_utils._is_cuda = is_tensor
 
 
+# --- 13. Mamba-2's kernels come from mamba_ssm, which needs CUDA ---------------------------------------------------
+def _patch_mamba_kernels() -> None:
+    """Hybrid models' Mamba-2 mixers on the PyTorch kernels of `core.machine.ssm`.
+
+    `ssm/mamba_mixer` imports its scan and gated norm from `mamba_ssm` (CUDA and Triton; it does not install without
+    CUDA) and refuses to build without it; its one-step decode kernels are Megatron-Core's own Triton ones, which need
+    a GPU: set to None they give way to the PyTorch lines beside them.
+    """
+    from megatron.core.ssm import mamba_mixer
+
+    from pai_cookbook.core.machine import ssm
+
+    mamba_mixer.HAVE_MAMBA_SSM = True
+    mamba_mixer.mamba_chunk_scan_combined = ssm.chunk_scan
+    mamba_mixer.mamba_split_conv1d_scan_combined = ssm.split_conv1d_scan
+    mamba_mixer.RMSNormGated = mamba_mixer.ExtendedRMSNorm = ssm.GatedRMSNorm
+    mamba_mixer.causal_conv1d_update = mamba_mixer.selective_state_update = None
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("current_device", "AssertionError: Torch not compiled with CUDA enabled (rotary embedding, layers)",
           _patch_current_device),
@@ -354,6 +373,9 @@ PATCHES: tuple[Patch, ...] = (
           "(generation with PP > 1)", _patch_inference_pipeline_tensors),
     Patch("gloo_uneven_collectives", "RuntimeError: ProcessGroupGloo::allgather: invalid tensor size (MoE with "
           "EP > 1 and expert-TP > 1)", _patch_gloo_uneven_collectives),
+    # hybrid models are built from Megatron-Core 0.19 on (core.modeling.hybrid)
+    Patch("mamba_kernels", "ImportError: MambaSSM is not installed (a hybrid model's Mamba-2 layers)",
+          _patch_mamba_kernels, SpecifierSet(">=0.19")),
 )
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pai_cookbook.core.configs.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
 from pai_cookbook.core.machine import device_guard
 from pai_cookbook.core.machine.runtime import DeviceInfo
-from pai_cookbook.core.modeling import gemma
+from pai_cookbook.core.modeling import gemma, hybrid
 from pai_cookbook.core.modeling.layer_spec import LAYER_SEED_STRIDE, Converters, layer_spec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -34,9 +34,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 def activation_function(name: str):
     """The activation of `ModelConfig.activation` (for a gated MLP, the gate's)."""
+    from megatron.core.activations import squared_relu
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-    return {"swiglu": F.silu, "geglu": gelu_tanh, "quick_geglu": quick_gelu}.get(name, F.gelu)
+    return {"swiglu": F.silu, "geglu": gelu_tanh, "quick_geglu": quick_gelu, "squared_relu": squared_relu}.get(name, F.gelu)
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
@@ -90,6 +91,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
     )
     if model.sliding_window:  # Hugging Face's window W: a query sees itself and the W - 1 keys before it
         kwargs.update(window_size=(model.sliding_window - 1, 0), window_attn_skip_freq=model.sliding_window_layers)
+    if model.is_hybrid:
+        kwargs.update(mamba_num_heads=model.mamba_num_heads, mamba_head_dim=model.mamba_head_dim,
+                      mamba_state_dim=model.mamba_state_dim, mamba_num_groups=model.mamba_num_groups)
     if model.glu_clamp is not None:
         kwargs.update(activation_func_clamp_value=model.glu_clamp)
     if model.glu_linear_offset:
@@ -213,22 +217,25 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
         # Embedding and output layer draw from here; layers reseed themselves (SeededTransformerLayer),
         # so what follows the last layer is the same stream at every layout.
         torch.random.default_generator.manual_seed(seed)
-        gpt = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec(model, config, device, vp_stage, seed=seed, fp8=precision.fp8,
-                                              converters=converters),
-            vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
-            max_sequence_length=model.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=model.tie_word_embeddings and head == "lm",
-            position_embedding_type=position_embedding_type(model),
-            rotary_percent=model.rotary_percent,
-            rotary_base=int(model.rotary_base),
-            rope_scaling=model.rope_scaling_factor is not None,
-            rope_scaling_factor=model.rope_scaling_factor or 8.0,
-            vp_stage=vp_stage,
-        )
+        stages = dict(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                      post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                      vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
+                      max_sequence_length=model.max_position_embeddings,
+                      share_embeddings_and_output_weights=model.tie_word_embeddings and head == "lm", vp_stage=vp_stage)
+        if model.is_hybrid:
+            gpt = hybrid.build(model, config, device, seed, **stages)
+        else:
+            gpt = GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec(model, config, device, vp_stage, seed=seed, fp8=precision.fp8,
+                                                  converters=converters),
+                position_embedding_type=position_embedding_type(model),
+                rotary_percent=model.rotary_percent,
+                rotary_base=int(model.rotary_base),
+                rope_scaling=model.rope_scaling_factor is not None,
+                rope_scaling_factor=model.rope_scaling_factor or 8.0,
+                **stages,
+            )
         if gemma.asked(model):
             gemma.apply(gpt, model, config, device.transformer_engine)
         if gpt.post_process and head == "reward":

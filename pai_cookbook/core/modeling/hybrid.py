@@ -1,0 +1,197 @@
+"""Hybrid models (Nemotron-H): Megatron-Core's `HybridModel`, a stack of Mamba-2, attention and MLP layers in the order
+of `ModelConfig.hybrid_pattern`, each one mixer after its own norm.
+
+Upstream ships the stack's spec on Transformer Engine only (`hybrid_layer_specs.hybrid_stack_spec`: its norms fused
+into the next linear, its final norm Transformer Engine's whatever the spec). `stack_spec` gives the same stack on
+either path the layer decision takes (`DeviceInfo.layers`, as `core.modeling.layer_spec` does for GPT models):
+- `transformer-engine`: upstream's spec as it ships.
+- `local` (and `local+cpu`): Megatron-Core's local layers in the same places, the norms apart under the checkpoint
+  keys Transformer Engine's fused ones have (`sharded_state_dict_keys_map`, as upstream's local GPT spec maps its
+  input norms), the attention the cookbook's local one (`core.modeling.attention`), and a final norm of the local
+  kind (`LocalHybridStack`), so one checkpoint loads on either path.
+On every path each layer draws its weights from a stream seeded by (seed, its global layer number), so one seed is
+one model at every TP/PP layout. The Mamba-2 mixer's kernels come from `mamba_ssm` on a GPU; where that package is
+missing (a CPU) `core.machine.compat` puts the PyTorch ones of `core.machine.ssm` in their place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from pai_cookbook.core.configs.config import ModelConfig
+
+_SEED_STRIDE = 100_003  # as core.modeling.layer_spec.LAYER_SEED_STRIDE: distinct (seed, layer) -> distinct streams
+
+
+def _seeded(base, seed: int):
+    """`base` (a layer class) drawing its weights from a stream seeded by (seed, global layer number); the hybrid
+    stack numbers its layers globally already (`layer_number` counts the stages before). A Mamba layer's mixer draws
+    its own parameters per tensor-parallel rank from the model-parallel stream: drawn again whole from the layer's
+    stream and sliced (`_draw_mixer_whole`), they are one model at every TP."""
+    from megatron.core.ssm.mamba_layer import MambaLayer
+
+    class Seeded(base):
+        def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs):
+            stream = seed * _SEED_STRIDE + layer_number
+            torch.random.default_generator.manual_seed(stream)
+            with _model_parallel_stream_or_none():
+                super().__init__(config, submodules, layer_number, *args, **kwargs)
+            if isinstance(self, MambaLayer) and config.perform_initialization:
+                _draw_mixer_whole(self.mixer, torch.Generator().manual_seed(stream))
+
+    Seeded.__name__ = Seeded.__qualname__ = f"Seeded{base.__name__}"
+    return Seeded
+
+
+@contextlib.contextmanager
+def _model_parallel_stream_or_none():
+    """Megatron-Core's Mamba mixer draws inside the model-parallel RNG stream, which a worker adds when it sets up its
+    parallel state; a model built outside one (conversion's meta-device model: names and shapes, no values) has none,
+    and draws from the default stream instead."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    if tracker.is_initialized():
+        yield
+        return
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        del tracker.fork
+
+
+def _draw_mixer_whole(mixer, generator: torch.Generator) -> None:
+    """The mixer's own parameters drawn as upstream draws them (`MambaMixer.__init__`: the convolution Kaiming-uniform
+    with its bias, time steps log-uniform in [1e-3, 1e-1] through softplus's inverse, A uniform in [1, 16]) for the
+    whole model, then this rank's rows taken: a TP split of each of the convolution's x, B and C channels, and of the
+    heads."""
+    import math
+
+    tp, rank = mixer.pg_collection.tp.size(), mixer.pg_collection.tp.rank()
+    heads, inner, bc = mixer.nheads, mixer.d_inner, mixer.ngroups * mixer.d_state
+    conv = torch.empty(inner + 2 * bc, 1, mixer.d_conv)
+    torch.nn.init.kaiming_uniform_(conv, a=math.sqrt(5), generator=generator)
+    bound = 1 / math.sqrt(mixer.d_conv)
+    conv_bias = torch.empty(inner + 2 * bc).uniform_(-bound, bound, generator=generator)
+    dt = torch.exp(torch.rand(heads, generator=generator) * (math.log(0.1) - math.log(0.001))
+                   + math.log(0.001)).clamp(min=1e-4)
+    a = torch.empty(heads).uniform_(1, 16, generator=generator)
+
+    def rows(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return torch.cat([part.chunk(tp)[rank] for part in t.split(sizes)])
+
+    with torch.no_grad():
+        for param, whole in ((mixer.conv1d_weight, rows(conv, [inner, bc, bc])),
+                             (mixer.conv1d_bias, rows(conv_bias, [inner, bc, bc])),
+                             (mixer.dt_bias, rows(dt + torch.log(-torch.expm1(-dt)), [heads])),
+                             (mixer.A_log, rows(torch.log(a), [heads]))):
+            param.copy_(whole.to(param.dtype))
+
+
+def _local_stack_class():
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm as LocalNorm
+
+    class LocalHybridStack(HybridStack):
+        """Upstream's stack with its final norm of the local kind (upstream builds Transformer Engine's on every
+        spec); the checkpoint key is the same, `decoder.final_norm.weight`."""
+
+        def __init__(self, config, submodules, *args, post_layer_norm: bool = True, **kwargs):
+            super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+            self.post_layer_norm = post_layer_norm
+            if self.post_process and post_layer_norm:
+                self.final_norm = LocalNorm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+
+    return LocalHybridStack
+
+
+def stack_spec(model: ModelConfig, use_te: bool, seed: int):
+    """The hybrid stack's spec on Transformer Engine's layers (`use_te`) or the local ones, its layers seeded."""
+    import copy
+
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    mixer_params = {"d_conv": model.mamba_conv_kernel, "chunk_size": model.mamba_chunk_size}
+    if use_te:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+        spec = copy.deepcopy(hybrid_stack_spec)
+        subs = spec.submodules
+        subs.mamba_layer.submodules.mixer.params = mixer_params
+    else:
+        spec = _local_spec(mixer_params)
+        subs = spec.submodules
+    for name, base in (("mamba_layer", MambaLayer), ("attention_layer", TransformerLayer), ("mlp_layer", MLPLayer)):
+        getattr(subs, name).module = _seeded(base, seed)
+    spec.submodules = HybridStackSubmodules(mamba_layer=subs.mamba_layer, attention_layer=subs.attention_layer,
+                                            mlp_layer=subs.mlp_layer)
+    return spec
+
+
+def _local_spec(mixer_params: dict):
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm as LocalNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from pai_cookbook.core.modeling.attention import LeftPaddedSelfAttention, SDPAttention
+
+    mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+        norm=LocalNorm,
+        mixer=ModuleSpec(module=MambaMixer, params=mixer_params, submodules=MambaMixerSubmodules(
+            in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
+        mamba_bda=get_bias_dropout_add, sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"}))
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=LocalNorm,
+        self_attention=ModuleSpec(module=LeftPaddedSelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                  submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
+                                                                     core_attention=SDPAttention,
+                                                                     linear_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=LocalNorm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                             linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))
+    return ModuleSpec(module=_local_stack_class(), submodules=HybridStackSubmodules(
+        mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
+
+
+def set_norm_epsilon(gpt: torch.nn.Module, epsilon: float) -> None:
+    """Give every Mamba mixer's gated norm the model's epsilon (Megatron-Core builds them with 1e-5 whatever the
+    config says; Nemotron-H's releases have 1e-5, a model with another would be normalised differently)."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    for module in gpt.modules():
+        if isinstance(module, MambaMixer) and getattr(module, "norm", None) is not None:
+            module.norm.eps = epsilon
+
+
+def build(model: ModelConfig, config, device, seed: int, **stages):
+    """This pipeline stage's `HybridModel` (`stages`: pre/post_process, vocab_size, max_sequence_length,
+    share_embeddings_and_output_weights, vp_stage, as `core.modeling.model.build_model` passes GPTModel), its layers
+    on `device.layers`' path. The CPU converters (`pai_cookbook.cpu`) reshape transformer layers; a hybrid's layers
+    run as upstream's, and its output layer takes them as a GPT model's does."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    spec = stack_spec(model, device.transformer_engine, seed)
+    gpt = HybridModel(config=config, hybrid_stack_spec=spec, hybrid_layer_pattern=model.hybrid_pattern,
+                      position_embedding_type=model.position_embedding_type, rotary_percent=model.rotary_percent,
+                      rotary_base=int(model.rotary_base), **stages)
+    set_norm_epsilon(gpt, model.norm_epsilon)
+    return gpt
