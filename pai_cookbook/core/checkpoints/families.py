@@ -166,7 +166,8 @@ FAMILIES: dict[str, Family] = {
     "nemotron_h": Family(
         "nemotron_h", "NemotronHForCausalLM", read=family_fields.nemotron_h_read, write=family_fields.nemotron_h_write,
         tiny={"num_hidden_layers": 4, "hybrid_override_pattern": "M*M-", "head_dim": 16, "mamba_num_heads": 8,
-              "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8, "conv_kernel": 4, "layer_norm_epsilon": 1e-5},
+              "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8, "conv_kernel": 4,
+              "layer_norm_epsilon": 1e-5},
         activation_key="mlp_hidden_act", not_keys=("rope_parameters", "rms_norm_eps")),
 }
 
