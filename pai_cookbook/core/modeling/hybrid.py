@@ -64,14 +64,18 @@ def _model_parallel_stream_or_none():
 
 
 def _draw_mixer_whole(mixer, generator: torch.Generator) -> None:
-    """The mixer's own parameters drawn as upstream draws them (`MambaMixer.__init__`: the convolution Kaiming-uniform
-    with its bias, time steps log-uniform in [1e-3, 1e-1] through softplus's inverse, A uniform in [1, 16]) for the
-    whole model, then this rank's rows taken: a TP split of each of the convolution's x, B and C channels, and of the
-    heads."""
+    """The mixer's parameters whose rows TP splits per part drawn as upstream draws them for the whole model (the input
+    projection normal with the init std, `MambaMixer.__init__`'s convolution Kaiming-uniform with its bias, time steps
+    log-uniform in [1e-3, 1e-1] through softplus's inverse, A uniform in [1, 16]), then this rank's rows taken: a TP
+    split of each of the projection's z, x, B, C and dt rows, of the convolution's x, B and C channels, and of the
+    heads. (A column-parallel linear's own initialisation splits its rows in one piece, which takes other parts' rows
+    at TP > 1.)"""
     import math
 
     tp, rank = mixer.pg_collection.tp.size(), mixer.pg_collection.tp.rank()
     heads, inner, bc = mixer.nheads, mixer.d_inner, mixer.ngroups * mixer.d_state
+    projection = torch.empty(2 * inner + 2 * bc + heads, mixer.d_model).normal_(
+        0.0, mixer.config.init_method_std, generator=generator)
     conv = torch.empty(inner + 2 * bc, 1, mixer.d_conv)
     torch.nn.init.kaiming_uniform_(conv, a=math.sqrt(5), generator=generator)
     bound = 1 / math.sqrt(mixer.d_conv)
@@ -84,7 +88,8 @@ def _draw_mixer_whole(mixer, generator: torch.Generator) -> None:
         return torch.cat([part.chunk(tp)[rank] for part in t.split(sizes)])
 
     with torch.no_grad():
-        for param, whole in ((mixer.conv1d_weight, rows(conv, [inner, bc, bc])),
+        for param, whole in ((mixer.in_proj.weight, rows(projection, [inner, inner, bc, bc, heads])),
+                             (mixer.conv1d_weight, rows(conv, [inner, bc, bc])),
                              (mixer.conv1d_bias, rows(conv_bias, [inner, bc, bc])),
                              (mixer.dt_bias, rows(dt + torch.log(-torch.expm1(-dt)), [heads])),
                              (mixer.A_log, rows(torch.log(a), [heads]))):
