@@ -96,6 +96,94 @@ def _draw_mixer_whole(mixer, generator: torch.Generator) -> None:
             param.copy_(whole.to(param.dtype))
 
 
+def _mixer_class():
+    from megatron.core.ssm import mamba_mixer
+
+    from pai_cookbook.core.machine import ssm
+    from pai_cookbook.core.modeling.attention import padding_of
+
+    class LeftPaddedMambaMixer(mamba_mixer.MambaMixer):
+        """Megatron-Core's Mamba-2 mixer whose static-batching generation is right, for a batch of left-padded prompts
+        too (what `LeftPaddedSelfAttention` is to attention; the local path's spec, on a GPU and a CPU):
+
+        - One decode step: upstream hands its one-step kernels the projection as [1, batch, ...] where they take
+          [batch, steps, ...], so a batch of b rows decodes as one row of b speculative tokens (the PyTorch lines
+          assert), and its PyTorch lines gate the norm's [b, 1, d] input by a [b, d] gate, a [b, b, d] product (a
+          batch of two prompts came out of the first Mamba layer two tokens long). Transposed for the kernels; where
+          they are missing (a CPU), one PyTorch step (`_step`) of the same recurrence.
+        - Prefill of a left-padded batch (the context's `LEFT_PADDING`): the padding's inputs to the convolution and to
+          the scan are zeroed, so a row's state starts at its first real token from zero, as it would alone (what
+          transformers does with the attention mask). The convolution is PyTorch's and the scan the one
+          `mamba_chunk_scan_combined` names (`mamba_ssm`'s, or `core.machine.ssm`'s where it is missing)."""
+
+        def forward(self, hidden_states, inference_context=None, **kwargs):
+            self._padding = padding_of(inference_context, hidden_states.size(1))
+            try:
+                return super().forward(hidden_states, inference_context, **kwargs)
+            finally:
+                self._padding = None
+
+        def _decode(self, hidden_states, conv_state, ssm_state, batch_indices=None):
+            if batch_indices is not None:  # the dynamic engine's: laid out as upstream expects
+                return super()._decode(hidden_states, conv_state, ssm_state, batch_indices)
+            projected, _ = self.in_proj(hidden_states)  # [1, b, ...]
+            if mamba_mixer.causal_conv1d_update is None or mamba_mixer.selective_state_update is None:
+                y = self._step(projected[0], conv_state, ssm_state)
+            else:
+                y = self._ssm_decode(projected.transpose(0, 1), conv_state=conv_state, ssm_state=ssm_state)
+            return self.out_proj(y.transpose(0, 1))
+
+        def _step(self, projected, conv_state, ssm_state):
+            """One new token of every row ([b, z | x B C | dt]): the convolution over its window (the state's last
+            d_conv inputs), then the state decayed by exp(dt A) plus dt B x, read by C, plus D x; [b, 1, d_inner]."""
+            rows, heads, bc = projected.size(0), self.nheads_local_tp, self.ngroups_local_tp * self.d_state
+            z, xbc, dt = projected.split([self.d_inner_local_tp, self.d_inner_local_tp + 2 * bc, heads], dim=-1)
+            conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+            conv_state[:, :, -1] = xbc
+            xbc = torch.nn.functional.silu((conv_state * self.conv1d_weight.squeeze(1)).sum(-1) + self.conv1d_bias)
+            x, b, c = xbc.float().split([self.d_inner_local_tp, bc, bc], dim=-1)
+            per_group = heads // self.ngroups_local_tp
+            b = b.view(rows, self.ngroups_local_tp, self.d_state).repeat_interleave(per_group, dim=1)
+            c = c.view(rows, self.ngroups_local_tp, self.d_state).repeat_interleave(per_group, dim=1)
+            dt = torch.nn.functional.softplus(dt.float() + self.dt_bias.float())  # [b, heads]
+            x = x.view(rows, heads, self.headdim)
+            state = (ssm_state.float() * torch.exp(dt * -torch.exp(self.A_log.float()))[..., None, None]
+                     + (dt[..., None] * x)[..., None] * b[:, :, None, :])
+            ssm_state.copy_(state)
+            y = torch.einsum("bhpn,bhn->bhp", state, c) + self.D.float()[:, None] * x
+            return self.norm(y.reshape(rows, 1, -1).to(projected.dtype), z[:, None])
+
+        def _ssm_prefill(self, zxBCdt, conv_state, ssm_state, seq_idx=None, **kwargs):
+            if seq_idx is not None or self.cp.cp_size > 1 or self.D_has_hdim:
+                return super()._ssm_prefill(zxBCdt, conv_state, ssm_state, seq_idx=seq_idx, **kwargs)
+            projected = zxBCdt.transpose(0, 1)  # [b, l, z | x B C | dt]
+            rows, length = projected.shape[:2]
+            bc = self.ngroups_local_tp * self.d_state
+            z, xbc, dt = projected.split([self.d_inner_local_tp, self.d_inner_local_tp + 2 * bc,
+                                          self.nheads_local_tp], dim=-1)
+            keep = None
+            if self._padding is not None:
+                keep = (torch.arange(length, device=xbc.device)[None, :] >= self._padding[:, None])[..., None]
+                xbc = xbc * keep
+            if conv_state is not None:  # the last d_conv inputs (zeros before the start)
+                conv_state.copy_(torch.nn.functional.pad(xbc.transpose(1, 2), (self.d_conv - length, 0)))
+            xbc = ssm.causal_conv(xbc, self.conv1d_weight.squeeze(1), self.conv1d_bias, self.activation)
+            if keep is not None:
+                xbc = xbc * keep
+            x, b, c = xbc.split([self.d_inner_local_tp, bc, bc], dim=-1)
+            y = mamba_mixer.mamba_chunk_scan_combined(
+                x.reshape(rows, length, self.nheads_local_tp, self.headdim), dt, -torch.exp(self.A_log.float()),
+                b.reshape(rows, length, self.ngroups_local_tp, self.d_state),
+                c.reshape(rows, length, self.ngroups_local_tp, self.d_state), self.chunk_size, D=self.D,
+                dt_bias=self.dt_bias.float(), dt_softplus=True, return_final_states=ssm_state is not None)
+            if ssm_state is not None:
+                y, last = y
+                ssm_state.copy_(last)
+            return self.norm(y.reshape(rows, length, -1).transpose(0, 1), z.transpose(0, 1))
+
+    return LeftPaddedMambaMixer
+
+
 def _local_stack_class():
     from megatron.core.models.hybrid.hybrid_block import HybridStack
     from megatron.core.transformer.torch_norm import WrappedTorchNorm as LocalNorm
@@ -143,7 +231,7 @@ def _local_spec(mixer_params: dict):
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
-    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttentionSubmodules
@@ -157,7 +245,7 @@ def _local_spec(mixer_params: dict):
 
     mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
         norm=LocalNorm,
-        mixer=ModuleSpec(module=MambaMixer, params=mixer_params, submodules=MambaMixerSubmodules(
+        mixer=ModuleSpec(module=_mixer_class(), params=mixer_params, submodules=MambaMixerSubmodules(
             in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
         mamba_bda=get_bias_dropout_add, sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"}))
     attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
