@@ -29,10 +29,12 @@ def random_sft_samples() -> list:
 
 
 def runnable_families() -> list[str]:
-    """The families the installed Megatron-Core runs (multi-latent attention from 0.17 on: `layout.check`)."""
+    """The families the installed Megatron-Core runs (multi-latent attention from 0.17 on, hybrids from 0.19 on:
+    `layout.check`)."""
     from pai_cookbook.core.machine import versions
 
-    return [f for f in families.supported() if versions.minor() >= (0, 17) or not families.tiny(f).multi_latent_attention]
+    return [f for f in families.supported() if (versions.minor() >= (0, 17) or not families.tiny(f).multi_latent_attention)
+            and (versions.minor() >= (0, 19) or not families.tiny(f).is_hybrid)]
 
 
 def layout_for(family: str, tp: int = 1, pp: int = 1, ep: int = 1, **fields):
@@ -44,7 +46,8 @@ def layout_for(family: str, tp: int = 1, pp: int = 1, ep: int = 1, **fields):
 
 def on_both_ends(family: str):
     """A test parameter for `family`, in both tiers (marker both_ends) where every supported release runs it."""
-    return pytest.param(family, marks=[] if families.tiny(family).multi_latent_attention else [pytest.mark.both_ends])
+    model = families.tiny(family)
+    return pytest.param(family, marks=[] if model.multi_latent_attention or model.is_hybrid else [pytest.mark.both_ends])
 
 
 @pytest.fixture(scope="session")

@@ -222,3 +222,21 @@ def test_multi_latent_attention_runs_from_megatron_core_0_17():
     with pytest.raises(ConfigError, match=r"kv_lora_rank \+ qk_pos_emb_head_dim = 47 is not divisible by TP=2"):
         layout.check(families.tiny("deepseek_v3", kv_lora_rank=31), ParallelConfig(tensor_model_parallel_size=2),
                      purpose="load")
+
+
+@pytest.mark.both_ends
+def test_hybrid_models_run_from_megatron_core_0_19():
+    """Nemotron-H is refused before launch below 0.19 (no HybridModel there), naming 0.19; from 0.19 on it is accepted
+    at every TP that splits its Mamba-2 heads and groups whole, and another TP is named."""
+    from pai_cookbook.core.configs import layout
+    from pai_cookbook.core.configs.config import ParallelConfig
+    from pai_cookbook.core.machine import versions
+
+    model = families.tiny("nemotron_h")
+    if versions.minor() < (0, 19):
+        with pytest.raises(ConfigError, match=r"nemotron_h is a hybrid model .* from 0\.19 on"):
+            layout.check(model, ParallelConfig(), purpose="load")
+        return
+    layout.check(model, ParallelConfig(tensor_model_parallel_size=2), purpose="train")
+    with pytest.raises(ConfigError, match=r"TP=2 must divide the Mamba-2 layers' 8 heads and 1 groups .* Use TP in \[1\]"):
+        layout.check(families.tiny("nemotron_h", mamba_num_groups=1), ParallelConfig(tensor_model_parallel_size=2))
