@@ -243,7 +243,10 @@ PUBLISHED = {"Llama-3.2-3B": (3.21e9, None), "Qwen3-8B": (8.2e9, None), "Qwen3-3
              "Qwen3-30B-A3B": (30.5e9, 3.3e9), "Qwen3-235B-A22B": (235e9, 22e9), "DeepSeek-V3": (671e9, 37e9),
              "gpt-oss-20b": (20.91e9, 3.61e9), "gpt-oss-120b": (116.83e9, 5.13e9),
              # the Gemma 3 report's language model: 1,416M embedding + 25,600M other parameters
-             "Gemma-3-27B": (27.016e9, None)}
+             "Gemma-3-27B": (27.016e9, None),
+             # NVIDIA's cards: "8B", "56B" (test_hybrid_shapes_hold_what_transformers_builds: exactly 8,100,852,736 and
+             # 56,324,350,464)
+             "Nemotron-H-8B": (8e9, None), "Nemotron-H-56B": (56e9, None)}
 # OpenAI's cards count a token's active parameters with the output layer but without the embedding lookup
 ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b", "gpt-oss-120b"}
 
@@ -261,6 +264,30 @@ def test_named_shapes_have_their_published_parameter_counts(name):
         used = training_flops_per_token(model, 0) / 6 + model.vocab_size * model.hidden_size * (
             name not in ACTIVE_WITHOUT_EMBEDDING)
         assert used == pytest.approx(activated, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["Nemotron-H-8B", "Nemotron-H-56B"])
+def test_hybrid_shapes_hold_what_transformers_builds(name):
+    """The plan's Nemotron-H holds every parameter transformers' NemotronH builds from the same config (on the meta
+    device: shapes, no memory), split at TP=8 and PP=2 without losing one; and its FLOPs are 6 per weight plus the
+    attention layers' scores and the Mamba-2 layers' convolution and scan."""
+    import torch
+    import transformers
+
+    from pai_cookbook.core.checkpoints import families
+    from pai_cookbook.core.modeling.model import training_flops_per_token
+
+    model = SHAPES[name]
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(families.to_hf(model))
+    held = states.chunk_params(model, Layout(), 0, 0)
+    assert sum(held.dense) == hf.num_parameters()
+    split = Layout(tp=8, pp=2)
+    assert sum(sum(states.chunk_params(model, split, r, 0).dense) for r in range(2)) * 8 == pytest.approx(
+        hf.num_parameters(), rel=0.002)  # norms and the Mamba norm's groups are whole on every TP rank
+    matmul = sum(p.numel() for n, p in hf.named_parameters() if p.dim() == 2 and "embeddings" not in n)
+    assert training_flops_per_token(model, 4096) > 6 * matmul
+    assert training_flops_per_token(model, 4096) < 6 * matmul * 1.25
 
 
 def test_among_tied_layouts_the_one_with_the_most_memory_free_is_chosen():

@@ -196,8 +196,25 @@ def moe_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     return router + dispatch + probs + experts_saved + shared
 
 
+def mamba_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
+    """A Mamba-2 mixer: what the fused scan (`mamba_split_conv1d_scan_combined`) keeps for its backward, the input
+    projection's output (z, x, B, C, dt per token) and the state entering each chunk (fp32), then the gated norm's input
+    and gate product and the output projection's input (d_inner each per token), split over TP by heads."""
+    m, t = model, layout.tp
+    heads, inner = m.mamba_num_heads, m.mamba_num_heads * m.mamba_head_dim
+    projected = 2 * inner + 2 * m.mamba_num_groups * m.mamba_state_dim + heads
+    chunks = -(-x.s // m.mamba_chunk_size)
+    states = x.b * chunks * heads * m.mamba_head_dim * m.mamba_state_dim * FP32
+    return (x.s * x.b * (projected + 3 * inner) * x.e + states) // t
+
+
 def layer_bytes(model: ModelConfig, layout: Layout, x: Dims, layer: int) -> int:
     """Everything one layer saves for one micro-batch without full recompute."""
+    if model.is_hybrid:  # one norm and one mixer
+        kind = model.hybrid_pattern[layer]
+        mixer = (mamba_bytes(model, layout, x) if kind == "M" else attention_bytes(model, layout, x) if kind == "*"
+                 else mlp_bytes(model, layout, x, model.ffn_hidden_size))
+        return norm_bytes(model, x) + mixer
     saved = 2 * norm_bytes(model, x) + attention_bytes(model, layout, x)
     if is_moe_layer(model, layer):
         return saved + moe_bytes(model, layout, x)

@@ -20,6 +20,14 @@ _GPT_OSS = dict(family="gpt_oss", hidden_size=2880, ffn_hidden_size=2880, num_at
                 add_bias_linear=True, sliding_window=128, moe_router_topk=4, moe_ffn_hidden_size=2880,
                 moe_router_load_balancing_type="none")
 
+_NEMOTRON_H = dict(family="nemotron_h", num_query_groups=8, kv_channels=128, vocab_size=131072,
+                   max_position_embeddings=8192, position_embedding_type="none", activation="squared_relu",
+                   mamba_head_dim=64, mamba_num_groups=8, mamba_conv_kernel=4, mamba_chunk_size=128)
+# Mamba-2 ("M"), attention ("*") and MLP ("-") layers, in the order the releases' config.json lists them
+_NEMOTRON_H_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+_NEMOTRON_H_56B = ("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-"
+                   "M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")
+
 SHAPES: dict[str, ModelConfig] = {
     "Llama-2-7B": ModelConfig(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
                               num_attention_heads=32, num_query_groups=32, vocab_size=32000,
@@ -79,6 +87,11 @@ SHAPES: dict[str, ModelConfig] = {
                                tie_word_embeddings=True),
     "gpt-oss-20b": ModelConfig(num_layers=24, sliding_window_layers=[1, 0] * 12, num_experts=32, **_GPT_OSS),
     "gpt-oss-120b": ModelConfig(num_layers=36, sliding_window_layers=[1, 0] * 18, num_experts=128, **_GPT_OSS),
+    "Nemotron-H-8B": ModelConfig(hybrid_pattern=_NEMOTRON_H_8B, num_layers=52, hidden_size=4096, ffn_hidden_size=21504,
+                                 num_attention_heads=32, mamba_num_heads=128, mamba_state_dim=128, **_NEMOTRON_H),
+    "Nemotron-H-56B": ModelConfig(hybrid_pattern=_NEMOTRON_H_56B, num_layers=118, hidden_size=8192,
+                                  ffn_hidden_size=32768, num_attention_heads=64, mamba_num_heads=256, mamba_state_dim=256,
+                                  **_NEMOTRON_H),
 }
 """Architectures as their Hugging Face config.json publishes them (Megatron-Core's names)."""
 

@@ -99,6 +99,25 @@ def attention_params(m: ModelConfig, t: int) -> list[int]:
             + [q // t * h] + [h] * bias + [m.num_attention_heads // t] * m.attention_sinks)
 
 
+def mamba_params(m: ModelConfig, t: int) -> list[int]:
+    """One Mamba-2 layer's mixer tensors on a TP rank: the input projection (z, x, B, C and dt rows), the depthwise
+    convolution and its bias over x, B and C, the per-head time-step bias, A and D, the gated norm and the output
+    projection (Megatron-Core's `MambaMixer`, split by heads and groups)."""
+    h, heads, inner = m.hidden_size, m.mamba_num_heads // t, m.mamba_num_heads * m.mamba_head_dim // t
+    conv = inner + 2 * m.mamba_num_groups // t * m.mamba_state_dim
+    return [(inner + conv + heads) * h, conv * m.mamba_conv_kernel, conv, heads, heads, heads, inner, inner * h]
+
+
+def _hybrid_layer_params(m: ModelConfig, t: int, kind: str, norm: list[int]) -> list[int]:
+    """A hybrid model's layer (`ModelConfig.hybrid_pattern`): one norm and its mixer."""
+    if kind == "M":
+        return norm + mamba_params(m, t)
+    if kind == "*":
+        return norm + attention_params(m, t)
+    f, gate = m.ffn_hidden_size, 2 if m.gated else 1
+    return norm + [gate * f // t * m.hidden_size, f // t * m.hidden_size]
+
+
 def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -> ChunkParams:
     """The parameter tensors this chunk holds (see the module)."""
     m, t = model, layout.tp
@@ -115,6 +134,9 @@ def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -
         if m.position_embedding_type == "learned_absolute":
             dense.append(m.max_position_embeddings * h)
     for layer in chunk_layers(model, layout, pp_rank, chunk):
+        if m.is_hybrid:
+            dense += _hybrid_layer_params(m, t, m.hybrid_pattern[layer], norm)
+            continue
         dense += norm + attention_params(m, t) + norm + norm * 2 * m.post_norms  # Gemma's on the outputs too
         if is_moe_layer(model, layer):
             etp, fm = layout.etp or t, m.moe_ffn_hidden_size or m.ffn_hidden_size
