@@ -240,3 +240,10 @@ def test_hybrid_models_run_from_megatron_core_0_19():
     layout.check(model, ParallelConfig(tensor_model_parallel_size=2), purpose="train")
     with pytest.raises(ConfigError, match=r"TP=2 must divide the Mamba-2 layers' 8 heads and 1 groups .* Use TP in \[1\]"):
         layout.check(families.tiny("nemotron_h", mamba_num_groups=1), ParallelConfig(tensor_model_parallel_size=2))
+
+
+def test_lora_on_a_hybrid_model_is_refused_by_name():
+    from pai_cookbook.core.configs.lora import LoRAConfig
+
+    with pytest.raises(ConfigError, match=r"LoRA on a hybrid model \(nemotron_h: Mamba-2 layers\) is not built yet"):
+        LoRAConfig().check(families.tiny("nemotron_h"))
