@@ -347,7 +347,16 @@ class ModelConfig:
                  f"{self.activation} MLP {self.ffn_hidden_size}", f"{self.normalization}",
                  f"vocabulary {self.vocab_size:,}",
                  f"RoPE base {self.rotary_base:,.0f}" if self.position_embedding_type == "rope"
+                 else "no position embedding" if self.position_embedding_type == "none"
                  else f"{self.position_embedding_type} positions"]
+        if self.is_hybrid:
+            kinds = {"M": "Mamba-2", "*": "attention", "-": "MLP"}
+            counts = ", ".join(f"{self.hybrid_pattern.count(k)} {name}" for k, name in kinds.items()
+                               if k in self.hybrid_pattern)
+            parts[0] += f" ({counts}: {self.hybrid_pattern})" if len(self.hybrid_pattern) <= 16 else f" ({counts})"
+            if "M" in self.hybrid_pattern:
+                parts.insert(2, f"Mamba-2 {self.mamba_num_heads} heads of {self.mamba_head_dim} in "
+                                f"{self.mamba_num_groups} groups, state {self.mamba_state_dim}")
         if self.is_moe:
             parts.append(f"MoE: {self.num_experts} experts of {self.moe_ffn_hidden_size or self.ffn_hidden_size}, "
                          f"top-{self.moe_router_topk}"

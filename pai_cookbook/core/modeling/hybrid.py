@@ -17,6 +17,7 @@ missing (a CPU) `core.machine.compat` puts the PyTorch ones of `core.machine.ssm
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -258,8 +259,8 @@ def _local_spec(mixer_params: dict):
         sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}))
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=LocalNorm,
-        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                             linear_fc2=RowParallelLinear)),
+        mlp=functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                               linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))
     return ModuleSpec(module=_local_stack_class(), submodules=HybridStackSubmodules(
         mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
