@@ -20,7 +20,6 @@ same function) on CPU; the flex token dispatcher needs DeepEP and is rejected by
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import types
@@ -144,44 +143,16 @@ def _patch_streams() -> None:
 
 
 # --- 5. optimizers that identify fp32 params by CUDA type name ------------------------------------
-@contextlib.contextmanager
-def _cuda_type_names():
-    """While active, `t.type()` reports 'torch.cuda.FloatTensor' for a CPU float tensor, etc."""
-    original = torch.Tensor.type
-
-    def type_(self, *args, **kwargs):
-        if args or kwargs:
-            return original(self, *args, **kwargs)
-        name = original(self)
-        # once: under a TorchFunctionMode (core.machine.device_guard) `original` is dispatched to this function again
-        cpu = self.device.type == "cpu" and not name.startswith("torch.cuda.")
-        return name.replace("torch.", "torch.cuda.", 1) if cpu else name
-
-    torch.Tensor.type = type_
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original
-
-
-def _with_cuda_type_names(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _cuda_type_names():
-            return fn(*args, **kwargs)
-    return wrapper
-
-
 def _patch_type_names() -> None:
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
     cls = optimizer.Float16OptimizerWithFloat16Params
-    cls.__init__ = _with_cuda_type_names(cls.__init__)
+    cls.__init__ = standins.with_cuda_type_names(cls.__init__)
     dist = distrib_optimizer.DistributedOptimizer
     build = dist._build_model_and_main_param_groups.__func__
-    dist._build_model_and_main_param_groups = classmethod(_with_cuda_type_names(build))
+    dist._build_model_and_main_param_groups = classmethod(standins.with_cuda_type_names(build))
     _rebind(clip_grads, "clip_grad_by_total_norm_fp32",
-            _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32))
+            standins.with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32))
 
 
 # --- 6. MoE router GEMM references a TE symbol that is missing without TE -------------------------
@@ -329,12 +300,8 @@ def _patch_inference_pipeline_tensors() -> None:
 
 # --- 13. Mamba-2's kernels come from mamba_ssm, which needs CUDA ---------------------------------------------------
 def _patch_mamba_kernels() -> None:
-    """Hybrid models' Mamba-2 mixers on the PyTorch kernels of `core.machine.ssm`.
-
-    `ssm/mamba_mixer` imports its scan and gated norm from `mamba_ssm` (CUDA and Triton; it does not install without
-    CUDA) and refuses to build without it; its one-step decode kernels are Megatron-Core's own Triton ones, which need
-    a GPU: set to None they give way to the PyTorch lines beside them.
-    """
+    """Mamba-2 mixers on `core.machine.ssm`'s PyTorch kernels: `ssm/mamba_mixer` takes its scan and gated norm from
+    `mamba_ssm` (CUDA only) and refuses to build without it; its decode kernels are Triton's (None: PyTorch's)."""
     from megatron.core.ssm import mamba_mixer
 
     from pai_cookbook.core.machine import ssm

@@ -8,6 +8,7 @@ model lives, and without Transformer Engine FP8 is never enabled.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import types
@@ -105,3 +106,31 @@ class NoFP8:
     @staticmethod
     def get_fp8_recipe() -> None:
         return None
+
+
+@contextlib.contextmanager
+def cuda_type_names():
+    """While active, `t.type()` reports 'torch.cuda.FloatTensor' for a CPU float tensor, etc."""
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = original(self)
+        # once: under a TorchFunctionMode (core.machine.device_guard) `original` is dispatched to this function again
+        cpu = self.device.type == "cpu" and not name.startswith("torch.cuda.")
+        return name.replace("torch.", "torch.cuda.", 1) if cpu else name
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def with_cuda_type_names(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with cuda_type_names():
+            return fn(*args, **kwargs)
+    return wrapper
