@@ -206,40 +206,28 @@ def test_megatron_model_has_the_hf_parameter_count(family, run_scenario):
 
 
 @pytest.mark.both_ends
-def test_multi_latent_attention_runs_from_megatron_core_0_17():
-    """Refused before launch on 0.16 (no local MLA without Transformer Engine), accepted at every layout it divides from
-    0.17 on; a TP that splits the latents unevenly is named."""
+@pytest.mark.parametrize("family, release, refused, purpose, uneven, named", [
+    # no local multi-latent attention without Transformer Engine on 0.16; a TP that splits the latents unevenly
+    ("deepseek_v3", (0, 17), r"multi-latent attention \(deepseek_v3\) on Megatron-Core 0\.1\d.*from 0\.17", "load",
+     {"kv_lora_rank": 31}, r"kv_lora_rank \+ qk_pos_emb_head_dim = 47 is not divisible by TP=2"),
+    # no HybridModel before 0.19; a TP that splits a Mamba-2 group
+    ("nemotron_h", (0, 19), r"nemotron_h is a hybrid model .* from 0\.19 on", "train", {"mamba_num_groups": 1},
+     r"TP=2 must divide the Mamba-2 layers' 8 heads and 1 groups .* Use TP in \[1\]"),
+])
+def test_families_a_release_first_builds_are_refused_before_it(family, release, refused, purpose, uneven, named):
+    """Refused before launch on a Megatron-Core older than the release that builds the family, naming that release;
+    from it on accepted at TP=2, and a TP the model's shape does not divide named."""
     from pai_cookbook.core.configs import layout
     from pai_cookbook.core.configs.config import ParallelConfig
     from pai_cookbook.core.machine import versions
 
-    model = families.tiny("deepseek_v3")
-    if versions.minor() < (0, 17):
-        with pytest.raises(ConfigError, match=r"multi-latent attention \(deepseek_v3\) on Megatron-Core 0\.16.*from 0\.17"):
-            layout.check(model, ParallelConfig(), purpose="load")
+    if versions.minor() < release:
+        with pytest.raises(ConfigError, match=refused):
+            layout.check(families.tiny(family), ParallelConfig(), purpose="load")
         return
-    layout.check(model, ParallelConfig(tensor_model_parallel_size=2), purpose="load")
-    with pytest.raises(ConfigError, match=r"kv_lora_rank \+ qk_pos_emb_head_dim = 47 is not divisible by TP=2"):
-        layout.check(families.tiny("deepseek_v3", kv_lora_rank=31), ParallelConfig(tensor_model_parallel_size=2),
-                     purpose="load")
-
-
-@pytest.mark.both_ends
-def test_hybrid_models_run_from_megatron_core_0_19():
-    """Nemotron-H is refused before launch below 0.19 (no HybridModel there), naming 0.19; from 0.19 on it is accepted
-    at every TP that splits its Mamba-2 heads and groups whole, and another TP is named."""
-    from pai_cookbook.core.configs import layout
-    from pai_cookbook.core.configs.config import ParallelConfig
-    from pai_cookbook.core.machine import versions
-
-    model = families.tiny("nemotron_h")
-    if versions.minor() < (0, 19):
-        with pytest.raises(ConfigError, match=r"nemotron_h is a hybrid model .* from 0\.19 on"):
-            layout.check(model, ParallelConfig(), purpose="load")
-        return
-    layout.check(model, ParallelConfig(tensor_model_parallel_size=2), purpose="train")
-    with pytest.raises(ConfigError, match=r"TP=2 must divide the Mamba-2 layers' 8 heads and 1 groups .* Use TP in \[1\]"):
-        layout.check(families.tiny("nemotron_h", mamba_num_groups=1), ParallelConfig(tensor_model_parallel_size=2))
+    layout.check(families.tiny(family), ParallelConfig(tensor_model_parallel_size=2), purpose=purpose)
+    with pytest.raises(ConfigError, match=named):
+        layout.check(families.tiny(family, **uneven), ParallelConfig(tensor_model_parallel_size=2), purpose="load")
 
 
 def test_lora_on_a_hybrid_model_is_refused_by_name():
