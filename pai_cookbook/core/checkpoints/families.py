@@ -169,6 +169,16 @@ FAMILIES: dict[str, Family] = {
               "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8, "conv_kernel": 4,
               "layer_norm_epsilon": 1e-5},
         activation_key="mlp_hidden_act", not_keys=("rope_parameters", "rms_norm_eps")),
+    # Qwen3-Next's shapes, shrunk: a gated DeltaNet layer and a gated attention layer, the first with experts and the
+    # second a dense MLP (split 2 + 2 at PP=2); 2 key heads of 16 each serving 2 value heads of 24 (80B: 16 of 128
+    # serving 32 of 128), attention heads 24 wide with a quarter rotating, 4 experts top-2 and a gated shared expert
+    "qwen3_next": Family(
+        "qwen3_next", "Qwen3NextForCausalLM", read=family_fields.qwen3_next_read, write=family_fields.qwen3_next_write,
+        tiny={"layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [1], "head_dim": 24,
+              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+              "linear_value_head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
 }
 
 # A tiny model of each family: 2 layers, width 64, GQA 4 heads over 2 KV heads, 256-token vocabulary

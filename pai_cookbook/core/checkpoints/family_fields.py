@@ -303,3 +303,41 @@ def nemotron_h_write(m: ModelConfig) -> dict[str, Any]:
             "n_groups": m.mamba_num_groups, "conv_kernel": m.mamba_conv_kernel, "chunk_size": m.mamba_chunk_size,
             "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_conv_bias": True, "use_bias": False,
             "mlp_bias": False, "attention_bias": False}
+
+
+def qwen3_next_read(hf: Any) -> dict[str, Any]:
+    """Qwen3-Next: each layer a gated DeltaNet ("linear_attention") or gated full attention (`layer_types`), then a
+    mixture of experts (or, for `mlp_only_layers`, a dense MLP), as Megatron-Core's hybrid stack builds them: two layers
+    of its pattern per layer, "G" or "*", then "E" or "-". (1 + w) norms, per-head q/k norms, a quarter of each head
+    rotating, experts routed by a softmax over all of them with a gated shared expert."""
+    moe = [hf.num_experts > 0 and i not in (hf.mlp_only_layers or []) and (i + 1) % hf.decoder_sparse_step == 0
+           for i in range(hf.num_hidden_layers)]
+    pattern = "".join(("G" if kind == "linear_attention" else "*") + ("E" if expert else "-")
+                      for kind, expert in zip(hf.layer_types, moe))
+    fields = {"hybrid_pattern": pattern, "num_layers": len(pattern), "norm_plus_one": True, "qk_layernorm": True,
+              "attention_output_gate": True, "gdn_key_heads": hf.linear_num_key_heads,
+              "gdn_value_heads": hf.linear_num_value_heads, "gdn_key_head_dim": hf.linear_key_head_dim,
+              "gdn_value_head_dim": hf.linear_value_head_dim, "gdn_conv_kernel": hf.linear_conv_kernel_dim}
+    if any(moe):
+        fields |= {"num_experts": hf.num_experts, "moe_router_topk": hf.num_experts_per_tok,
+                   "moe_ffn_hidden_size": hf.moe_intermediate_size,
+                   "moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size,
+                   "moe_shared_expert_gate": True, "moe_router_pre_softmax": not hf.norm_topk_prob,
+                   "moe_aux_loss_coeff": hf.router_aux_loss_coef}
+    return fields
+
+
+def qwen3_next_write(m: ModelConfig) -> dict[str, Any]:
+    pairs = [m.hybrid_pattern[i:i + 2] for i in range(0, len(m.hybrid_pattern), 2)]
+    out = {"num_hidden_layers": len(pairs),
+           "layer_types": ["linear_attention" if p[0] == "G" else "full_attention" for p in pairs],
+           "mlp_only_layers": [i for i, p in enumerate(pairs) if p[1] == "-"], "decoder_sparse_step": 1,
+           "linear_num_key_heads": m.gdn_key_heads, "linear_num_value_heads": m.gdn_value_heads,
+           "linear_key_head_dim": m.gdn_key_head_dim, "linear_value_head_dim": m.gdn_value_head_dim,
+           "linear_conv_kernel_dim": m.gdn_conv_kernel}
+    if m.is_moe:
+        out |= {"num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+                "moe_intermediate_size": m.moe_ffn_hidden_size,
+                "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+                "norm_topk_prob": not m.moe_router_pre_softmax, "router_aux_loss_coef": m.moe_aux_loss_coeff}
+    return out

@@ -108,6 +108,35 @@ HYBRID_RULES: tuple[Rule, ...] = (
     Rule(_L + r"mlp\.linear_fc2\.weight", (_B + "mixer.down_proj.weight",), "copy"),
 )
 
+# Qwen3-Next: each Hugging Face layer i is two layers of the hybrid stack, 2i (its gated DeltaNet, "linear_attn", or
+# gated attention) and 2i + 1 (its experts or dense MLP); `i` below is the Hugging Face layer. The DeltaNet's input
+# projection is two tensors grouped per key head ([q, k, v, z] and [beta, alpha] of each), Megatron-Core's one tensor
+# of whole parts (`gdn_in`); the gated attention's q_proj interleaves each head's query and gate, Megatron-Core's QKV is
+# [queries, gates, k, v] per group (`qkv_gated`).
+_D = "model.layers.{i}.linear_attn."
+QWEN3_NEXT_RULES: tuple[Rule, ...] = RULES[:2] + (
+    Rule(r"decoder\.final_norm\.weight", ("model.norm.weight",), "copy"),
+    Rule(_L + r"input_layernorm\.weight", (_H + "input_layernorm.weight",), "copy"),
+    Rule(_L + r"pre_mlp_layernorm\.weight", (_H + "post_attention_layernorm.weight",), "copy"),
+    Rule(_L + r"self_attention\.in_proj\.weight", (_D + "in_proj_qkvz.weight", _D + "in_proj_ba.weight"), "gdn_in"),
+    Rule(_L + r"self_attention\.(?P<t>conv1d\.weight|dt_bias|A_log|out_proj\.weight)", (_D + "{t}",), "copy"),
+    Rule(_L + r"self_attention\.out_norm\.weight", (_D + "norm.weight",), "copy"),
+    Rule(_L + r"self_attention\.linear_qkv\.weight", tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"),
+         "qkv_gated"),
+    Rule(_L + r"self_attention\.linear_proj\.weight", (_H + "self_attn.o_proj.weight",), "copy"),
+    Rule(_L + r"self_attention\.(?P<t>[qk])_layernorm\.weight", (_H + "self_attn.{t}_norm.weight",), "copy"),
+    Rule(_L + r"mlp\.linear_fc1\.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
+    Rule(_L + r"mlp\.linear_fc2\.weight", (_H + "mlp.down_proj.weight",), "copy"),
+    Rule(_L + r"mlp\.router\.weight", (_H + "mlp.gate.weight",), "copy"),
+    Rule(_L + _EXPERT + r"linear_fc1\.weight", (_H + "mlp.experts.{e}.gate_proj.weight",
+                                                _H + "mlp.experts.{e}.up_proj.weight"), "gate_up"),
+    Rule(_L + _EXPERT + r"linear_fc2\.weight", (_H + "mlp.experts.{e}.down_proj.weight",), "copy"),
+    Rule(_L + r"mlp\.shared_experts\.linear_fc1\.weight",
+         (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), "gate_up"),
+    Rule(_L + r"mlp\.shared_experts\.linear_fc2\.weight", (_H + "mlp.shared_expert.down_proj.weight",), "copy"),
+    Rule(_L + r"mlp\.shared_experts\.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "copy"),
+)
+
 # How each family names its MoE block and expert projections on disk (the hub format, which is also
 # what transformers 5 writes with save_pretrained).
 _DENSE_NAMES = {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "shared": "shared_expert",
@@ -132,11 +161,15 @@ class UnmappedParameter(KeyError):
 def hf_names(megatron_name: str, model: ModelConfig) -> tuple[str, tuple[str, ...]]:
     """(kind, HF tensor names) that make the Megatron parameter `megatron_name`."""
     names = _MOE_NAMES.get(model.family, _DENSE_NAMES)
-    rules = HYBRID_RULES if model.is_hybrid else (STACKED_EXPERT_RULES if model.family in STACKED_EXPERTS else ()) + RULES
+    rules = (QWEN3_NEXT_RULES if model.family == "qwen3_next" else HYBRID_RULES if model.is_hybrid
+             else (STACKED_EXPERT_RULES if model.family in STACKED_EXPERTS else ()) + RULES)
     for rule in rules:
         match = re.fullmatch(rule.megatron, megatron_name)
         if match:
-            return rule.kind, tuple(h.format(**match.groupdict(), **names) for h in rule.hf)
+            groups = match.groupdict()
+            if model.family == "qwen3_next" and groups.get("i") is not None:  # two stack layers a Hugging Face layer
+                groups["i"] = str(int(groups["i"]) // 2)
+            return rule.kind, tuple(h.format(**groups, **names) for h in rule.hf)
     raise UnmappedParameter(f"no Hugging Face mapping for Megatron parameter {megatron_name!r} "
                             f"(family {model.family})")
 
@@ -162,10 +195,31 @@ def _qkv_geometry(model: ModelConfig) -> tuple[int, int, int]:
     return groups, model.num_attention_heads // groups * head_dim, head_dim
 
 
+def _delta_net_parts(model: ModelConfig) -> tuple[int, int, int, int]:
+    """(key heads, key head width, value heads per key head, value head width) of a gated DeltaNet."""
+    return (model.gdn_key_heads, model.gdn_key_head_dim, model.gdn_value_heads // model.gdn_key_heads,
+            model.gdn_value_head_dim)
+
+
 def to_megatron(kind: str, tensors: list[torch.Tensor], model: ModelConfig, padded_vocab: int) -> torch.Tensor:
     """Build one Megatron parameter from its HF tensors (see the module docstring for the kinds)."""
     if kind == "copy":
         return tensors[0]
+    if kind == "gdn_in":  # per key head [q, k, v, z] and [beta, alpha] -> [q, k, v, z, beta, alpha], each whole
+        heads, dk, per, dv = _delta_net_parts(model)
+        qkvz, ba = tensors
+        h = qkvz.shape[1]
+        parts = qkvz.view(heads, -1, h).split([dk, dk, per * dv, per * dv], dim=1)
+        parts += ba.view(heads, -1, h).split([per, per], dim=1)
+        return torch.cat([part.reshape(-1, h) for part in parts])
+    if kind == "qkv_gated":  # q_proj's rows per head [query, gate] -> per group [queries, gates, k, v]
+        groups, q_rows, head_dim = _qkv_geometry(model)
+        q, k, v = tensors
+        h = q.shape[1]
+        query, gate = q.view(-1, 2, head_dim, h).unbind(1)
+        per_group = [query.reshape(groups, q_rows, h), gate.reshape(groups, q_rows, h), k.view(groups, head_dim, h),
+                     v.view(groups, head_dim, h)]
+        return torch.cat(per_group, dim=1).reshape(-1, h)
     if kind == "gate_up":
         return torch.cat(tensors, dim=0)
     if kind == "gate_up_t":
@@ -217,6 +271,18 @@ def to_hf(kind: str, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Ten
     """Split one Megatron parameter back into its HF tensors (exact inverse of `to_megatron`)."""
     if kind == "copy":
         return [tensor]
+    if kind == "gdn_in":
+        heads, dk, per, dv = _delta_net_parts(model)
+        h = tensor.shape[1]
+        q, k, v, z, b, a = (part.reshape(heads, -1, h) for part in tensor.split(
+            [heads * dk, heads * dk, heads * per * dv, heads * per * dv, heads * per, heads * per]))
+        return [torch.cat([q, k, v, z], dim=1).reshape(-1, h), torch.cat([b, a], dim=1).reshape(-1, h)]
+    if kind == "qkv_gated":
+        groups, q_rows, head_dim = _qkv_geometry(model)
+        h = tensor.shape[1]
+        query, gate, k, v = tensor.view(groups, -1, h).split([q_rows, q_rows, head_dim, head_dim], dim=1)
+        q = torch.stack([query.reshape(-1, head_dim, h), gate.reshape(-1, head_dim, h)], dim=1)
+        return [q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]
     if kind == "gate_up":
         return list(torch.chunk(tensor, 2, dim=0))
     if kind == "gate_up_t":
@@ -238,6 +304,8 @@ def to_hf(kind: str, tensor: torch.Tensor, model: ModelConfig) -> list[torch.Ten
 def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of `model` must hold, with its shape."""
     h, layers = model.hidden_size, model.num_layers
+    if model.family == "qwen3_next":
+        return _qwen3_next_shapes(model)
     if model.is_hybrid:
         return _hybrid_shapes(model)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
@@ -336,4 +404,40 @@ def _hybrid_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {k.replace("self_attn.", "mixer."): v for k, v in _attention_shapes(model, p).items()}
         else:
             shapes |= {p + "mixer.up_proj.weight": (f, h), p + "mixer.down_proj.weight": (h, f)}
+    return shapes
+
+
+def _qwen3_next_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next's tensors: per layer its gated DeltaNet or gated attention, then its experts or dense MLP."""
+    h, heads, dk, per, dv = model.hidden_size, *_delta_net_parts(model)
+    qk, v = heads * dk, heads * per * dv
+    shapes = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
+    if not model.tie_word_embeddings:
+        shapes["lm_head.weight"] = (model.vocab_size, h)
+    names = {"moe": "mlp", "router": "gate", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    for i in range(model.num_layers // 2):
+        p, d = f"model.layers.{i}.", f"model.layers.{i}.linear_attn."
+        mixer, mlp = model.hybrid_pattern[2 * i:2 * i + 2]
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if mixer == "G":
+            shapes |= {d + "in_proj_qkvz.weight": (2 * qk + 2 * v, h), d + "in_proj_ba.weight": (2 * heads * per, h),
+                       d + "conv1d.weight": (2 * qk + v, 1, model.gdn_conv_kernel), d + "dt_bias": (heads * per,),
+                       d + "A_log": (heads * per,), d + "norm.weight": (dv,), d + "out_proj.weight": (h, v)}
+        else:
+            gated = _attention_shapes(model, p)
+            gated[p + "self_attn.q_proj.weight"] = (2 * model.num_attention_heads * model.head_dim, h)
+            shapes |= gated
+        if mlp == "-":
+            f = model.ffn_hidden_size
+            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f)}
+            continue
+        f, s = model.moe_ffn_hidden_size, model.moe_shared_expert_intermediate_size
+        shapes |= {p + "mlp.gate.weight": (model.num_experts, h), p + "mlp.shared_expert_gate.weight": (1, h)}
+        for e in range(model.num_experts):
+            x = p + f"mlp.experts.{e}."
+            shapes |= {x + f"{names['gate']}.weight": (f, h), x + f"{names['up']}.weight": (f, h),
+                       x + f"{names['down']}.weight": (h, f)}
+        x = p + "mlp.shared_expert."
+        shapes |= {x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h), x + "down_proj.weight": (h, s)}
     return shapes

@@ -28,8 +28,9 @@ def positive(obj: Any, *names: str) -> None:
         require(value is None or value > 0, f"{type(obj).__name__}.{name} must be > 0, got {value}.")
 
 
-HYBRID_LAYERS = ("M", "*", "-")
-"""The layers a hybrid pattern may hold: Mamba-2, attention, MLP (Megatron-Core's `hybrid_layer_allocation.Symbols`)."""
+HYBRID_LAYERS = ("M", "G", "*", "-", "E")
+"""The layers a hybrid pattern may hold: Mamba-2, gated DeltaNet, attention, MLP, mixture of experts (Megatron-Core's
+`hybrid_layer_allocation.Symbols`)."""
 
 
 @dataclass(kw_only=True)
@@ -194,6 +195,15 @@ class ModelConfig:
     mamba_conv_kernel: int = 4
     mamba_chunk_size: int = 128
     """Positions per chunk of the state-space scan: how the sum is split, not what it is."""
+    gdn_key_heads: int | None = None
+    """Gated DeltaNet layers ("G", Qwen3-Next's linear attention): key heads (each shared by value heads / key heads
+    value heads), their widths, and the causal convolution's kernel."""
+    gdn_value_heads: int | None = None
+    gdn_key_head_dim: int = 128
+    gdn_value_head_dim: int = 128
+    gdn_conv_kernel: int = 4
+    attention_output_gate: bool = False
+    """Attention output times sigmoid of a per-head gate projected with the queries (Qwen3-Next's full attention)."""
 
     def __post_init__(self) -> None:
         positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -270,16 +280,21 @@ class ModelConfig:
             symbols = set(self.hybrid_pattern)
             require(len(self.hybrid_pattern) == self.num_layers and symbols <= set(HYBRID_LAYERS),
                      f"hybrid_pattern {self.hybrid_pattern!r}: one symbol per layer ({self.num_layers}), each of "
-                     f"{HYBRID_LAYERS} ('M' Mamba-2, '*' attention, '-' MLP).")
+                     f"{HYBRID_LAYERS} ('M' Mamba-2, 'G' gated DeltaNet, '*' attention, '-' MLP, 'E' experts).")
+            require("G" not in symbols or (self.gdn_key_heads and self.gdn_value_heads
+                                           and self.gdn_value_heads % self.gdn_key_heads == 0),
+                     f"gdn_value_heads {self.gdn_value_heads} must be set and a multiple of gdn_key_heads "
+                     f"{self.gdn_key_heads} (each key head serves whole value heads).")
             positive(self, "mamba_num_heads", "mamba_head_dim", "mamba_state_dim", "mamba_num_groups",
                      "mamba_conv_kernel", "mamba_chunk_size")
             require("M" not in symbols or (self.mamba_num_heads is not None
                                            and self.mamba_num_heads % self.mamba_num_groups == 0),
                      f"mamba_num_heads {self.mamba_num_heads} must be set and divisible by mamba_num_groups "
                      f"{self.mamba_num_groups} (whole groups of heads share B and C).")
-            require(not self.is_moe and not self.multi_latent_attention and self.sliding_window is None,
-                     "a hybrid pattern builds Mamba-2, attention and dense MLP layers; MoE, multi-latent attention and "
-                     "sliding windows in a hybrid model are not built by the cookbook.")
+            require(self.is_moe == ("E" in symbols) and not self.multi_latent_attention and self.sliding_window is None,
+                     f"a hybrid pattern's experts are its 'E' layers (num_experts {self.num_experts} with pattern "
+                     f"{self.hybrid_pattern!r}); multi-latent attention and sliding windows in a hybrid model are not "
+                     f"built by the cookbook.")
         if self.num_experts is not None and self.moe_router_num_groups is not None:
             groups, picked = self.moe_router_num_groups, self.moe_router_group_topk
             require(self.num_experts % groups == 0 and picked is not None and 0 < picked <= groups,
@@ -308,10 +323,6 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         return self.hybrid_pattern is not None
 
-    def layer_kinds(self) -> str:
-        """One symbol per layer (`HYBRID_LAYERS`); a transformer's layers are each attention and MLP, "T"."""
-        return self.hybrid_pattern if self.is_hybrid else "T" * self.num_layers
-
     @property
     def gated(self) -> bool:
         """Whether the MLP is gated (a gate and an up projection: SwiGLU, GeGLU)."""
@@ -324,7 +335,9 @@ class ModelConfig:
     @property
     def moe_flags(self) -> list[bool]:
         """Which layers are MoE by `moe_layer_freq` (every n-th from the first, or one 0/1 flag per layer), one per
-        layer; said of the pattern, whether or not the model has experts."""
+        layer; said of the pattern, whether or not the model has experts. A hybrid's are its 'E' layers."""
+        if self.is_hybrid:
+            return [kind == "E" for kind in self.hybrid_pattern]
         freq = self.moe_layer_freq
         if isinstance(freq, list):
             return [bool(f) for f in freq]
@@ -350,7 +363,7 @@ class ModelConfig:
                  else "no position embedding" if self.position_embedding_type == "none"
                  else f"{self.position_embedding_type} positions"]
         if self.is_hybrid:
-            kinds = {"M": "Mamba-2", "*": "attention", "-": "MLP"}
+            kinds = {"M": "Mamba-2", "G": "gated DeltaNet", "*": "attention", "-": "MLP", "E": "MoE"}
             counts = ", ".join(f"{self.hybrid_pattern.count(k)} {name}" for k, name in kinds.items()
                                if k in self.hybrid_pattern)
             parts[0] += f" ({counts}: {self.hybrid_pattern})" if len(self.hybrid_pattern) <= 16 else f" ({counts})"

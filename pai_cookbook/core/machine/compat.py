@@ -313,6 +313,19 @@ def _patch_mamba_kernels() -> None:
     mamba_mixer.causal_conv1d_update = mamba_mixer.selective_state_update = None
 
 
+def _patch_gdn_kernels() -> None:
+    """Gated DeltaNet layers on PyTorch: `ssm/gated_delta_net` takes its convolution, l2norm and delta rule from `fla`
+    (Triton) and refuses to build without it; Megatron-Core's own PyTorch delta rule and `core.machine.ssm`'s others."""
+    from megatron.core.ssm.gated_delta_net import common, gdn  # noqa: F401 - gdn's copies of the names are rebound
+
+    from pai_cookbook.core.machine import ssm
+
+    common.HAVE_FLA = True
+    for name, kernel in (("l2norm", ssm.l2norm), ("causal_conv1d", ssm.fla_causal_conv1d),
+                         ("chunk_gated_delta_rule", common.torch_chunk_gated_delta_rule)):
+        _rebind(common, name, kernel)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("current_device", "AssertionError: Torch not compiled with CUDA enabled (rotary embedding, layers)",
           _patch_current_device),
@@ -343,6 +356,8 @@ PATCHES: tuple[Patch, ...] = (
     # hybrid models are built from Megatron-Core 0.19 on (core.modeling.hybrid)
     Patch("mamba_kernels", "ImportError: MambaSSM is not installed (a hybrid model's Mamba-2 layers)",
           _patch_mamba_kernels, SpecifierSet(">=0.19")),
+    Patch("gdn_kernels", "ImportError: FLA is not installed (a hybrid model's gated DeltaNet layers)", _patch_gdn_kernels,
+          SpecifierSet(">=0.19")),
 )
 
 

@@ -10,6 +10,8 @@ whatever the inputs' dtype, as those kernels accumulate:
   causal depthwise convolution with SiLU, then `chunk_scan` gated by SiLU(gate).
 - `GatedRMSNorm` is `mamba_ssm`'s gated RMSNorm (`layernorm_gated.RMSNorm`): RMS over groups of channels, the gate
   applied before (Mamba-2) or after the norm, with the sharded checkpoint entry Megatron-Core gives it.
+- `l2norm` and `fla_causal_conv1d` are `fla`'s, which the gated DeltaNet takes (its delta rule is Megatron-Core's own
+  PyTorch one, `torch_chunk_gated_delta_rule`).
 
 A time step below `dt_limit`'s floor is raised to it, as `mamba_ssm` does; Megatron-Core passes no limit (0, inf).
 """
@@ -136,3 +138,17 @@ class GatedRMSNorm(torch.nn.Module):
         return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
                                                    sharded_offsets, tp_group=tp_group,
                                                    dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum of squares + eps) over `dim`: `fla`'s l2norm (the gated DeltaNet's queries and keys)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def fla_causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None, **_unused):
+    """`fla`'s `causal_conv1d` ([b, s, channels] in and out, weight [channels, width]): `causal_conv` with its calling
+    convention, returning (y, None)."""
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise NotImplementedError("the PyTorch causal convolution runs whole unpacked sequences from a zero state")
+    return causal_conv(x, weight, bias, activation), None

@@ -22,6 +22,7 @@ import functools
 import torch
 
 from pai_cookbook.core.configs.config import ModelConfig
+from pai_cookbook.core.modeling import delta_net
 
 _SEED_STRIDE = 100_003  # as core.modeling.layer_spec.LAYER_SEED_STRIDE: distinct (seed, layer) -> distinct streams
 
@@ -39,8 +40,10 @@ def _seeded(base, seed: int):
             torch.random.default_generator.manual_seed(stream)
             with _model_parallel_stream_or_none():
                 super().__init__(config, submodules, layer_number, *args, **kwargs)
-            if isinstance(self, MambaLayer) and config.perform_initialization:
+            if config.perform_initialization and isinstance(self, MambaLayer):
                 _draw_mixer_whole(self.mixer, torch.Generator().manual_seed(stream))
+            elif config.perform_initialization and hasattr(getattr(self, "self_attention", None), "A_log"):
+                delta_net.draw_whole(self.self_attention, torch.Generator().manual_seed(stream))
 
     Seeded.__name__ = Seeded.__qualname__ = f"Seeded{base.__name__}"
     return Seeded
@@ -209,7 +212,11 @@ def stack_spec(model: ModelConfig, use_te: bool, seed: int):
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer
     from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
+
+    from pai_cookbook.core.modeling.layer_spec import _seeded_experts_class
+    from pai_cookbook.core.modeling.specs import swap_classes
 
     mixer_params = {"d_conv": model.mamba_conv_kernel, "chunk_size": model.mamba_chunk_size}
     if use_te:
@@ -219,18 +226,22 @@ def stack_spec(model: ModelConfig, use_te: bool, seed: int):
         subs = spec.submodules
         subs.mamba_layer.submodules.mixer.params = mixer_params
     else:
-        spec = _local_spec(mixer_params)
+        spec = _local_spec(model, mixer_params)
         subs = spec.submodules
-    for name, base in (("mamba_layer", MambaLayer), ("attention_layer", TransformerLayer), ("mlp_layer", MLPLayer)):
+    layers = (("mamba_layer", MambaLayer), ("gdn_layer", TransformerLayer), ("attention_layer", TransformerLayer),
+              ("mlp_layer", MLPLayer), ("moe_layer", MoETransformerLayer))
+    for name, base in layers:
         getattr(subs, name).module = _seeded(base, seed)
-    spec.submodules = HybridStackSubmodules(mamba_layer=subs.mamba_layer, attention_layer=subs.attention_layer,
-                                            mlp_layer=subs.mlp_layer)
+    spec.submodules = HybridStackSubmodules(**{name: getattr(subs, name) for name, _ in layers})
+    swap_classes(spec, {SequentialMLP: _seeded_experts_class(SequentialMLP)})  # grouped experts: not re-seeded
     return spec
 
 
-def _local_spec(mixer_params: dict):
+def _local_spec(model: ModelConfig, mixer_params: dict):
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -240,7 +251,11 @@ def _local_spec(mixer_params: dict):
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm as LocalNorm
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
 
     from pai_cookbook.core.modeling.attention import LeftPaddedSelfAttention, SDPAttention
 
@@ -252,18 +267,30 @@ def _local_spec(mixer_params: dict):
     attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=LocalNorm,
         self_attention=ModuleSpec(module=LeftPaddedSelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                                  submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
-                                                                     core_attention=SDPAttention,
-                                                                     linear_proj=RowParallelLinear)),
+                                  submodules=SelfAttentionSubmodules(
+                                      linear_qkv=ColumnParallelLinear, core_attention=SDPAttention,
+                                      linear_proj=RowParallelLinear,
+                                      q_layernorm=LocalNorm if model.qk_layernorm else None,
+                                      k_layernorm=LocalNorm if model.qk_layernorm else None)),
         self_attn_bda=get_bias_dropout_add,
         sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}))
+    delta_net_layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=LocalNorm,
+        self_attention=ModuleSpec(module=delta_net.layer_class(), submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=delta_net.HeadNorm, out_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.in_proj.layer_norm_"}))
+    experts = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=LocalNorm,
+        mlp=get_moe_module_spec(use_te=False, num_experts=model.num_experts or 1, moe_grouped_gemm=False),
+        mlp_bda=get_bias_dropout_add))
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=LocalNorm,
         mlp=functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                                                linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))
     return ModuleSpec(module=_local_stack_class(), submodules=HybridStackSubmodules(
-        mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
+        mamba_layer=mamba, gdn_layer=delta_net_layer, attention_layer=attention, mlp_layer=mlp, moe_layer=experts))
 
 
 def set_norm_epsilon(gpt: torch.nn.Module, epsilon: float) -> None:

@@ -93,7 +93,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         kwargs.update(window_size=(model.sliding_window - 1, 0), window_attn_skip_freq=model.sliding_window_layers)
     if model.is_hybrid:
         kwargs.update(mamba_num_heads=model.mamba_num_heads, mamba_head_dim=model.mamba_head_dim,
-                      mamba_state_dim=model.mamba_state_dim, mamba_num_groups=model.mamba_num_groups)
+                      mamba_state_dim=model.mamba_state_dim, mamba_num_groups=model.mamba_num_groups,
+                      linear_num_key_heads=model.gdn_key_heads, linear_num_value_heads=model.gdn_value_heads,
+                      linear_key_head_dim=model.gdn_key_head_dim, linear_value_head_dim=model.gdn_value_head_dim,
+                      linear_conv_kernel_dim=model.gdn_conv_kernel, attention_output_gate=model.attention_output_gate)
     if model.glu_clamp is not None:
         kwargs.update(activation_func_clamp_value=model.glu_clamp)
     if model.glu_linear_offset:
