@@ -239,8 +239,8 @@ def stack_spec(model: ModelConfig, use_te: bool, seed: int):
 
 def _local_spec(model: ModelConfig, mixer_params: dict):
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
