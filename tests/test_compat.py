@@ -40,9 +40,11 @@ BREAKS_WITHOUT = {
         expert_tensor_parallel_size=2)), 4, "train", r"ProcessGroupGloo::allgather: invalid tensor size"),
     # sufficient: tests/test_convert.py's Nemotron-H logits equal transformers', tests/test_train.py trains it
     "mamba_kernels": (tiny_run("nemotron_h"), 1, "train", r"MambaSSM is not installed"),
+    # sufficient: tests/test_convert.py's Qwen3-Next logits equal transformers', tests/test_train.py trains it
+    "gdn_kernels": (tiny_run("qwen3_next"), 1, "train", r"FLA is not installed"),
 }
 # Patches for what a later release builds first (hybrid models from 0.19): not needed below it, and not retired there.
-ARRIVED = {"mamba_kernels": "0.19"}
+ARRIVED = {"mamba_kernels": "0.19", "gdn_kernels": "0.19"}
 
 
 INSTALLED = versions.megatron_core_version()
@@ -164,8 +166,8 @@ def test_retired_patches_are_not_needed(patch, run_scenario):
 
 @pytest.mark.both_ends
 def test_patch_versions_cover_the_two_ends():
-    # te_general_gemm: 0.17 binds the name to None without Transformer Engine (moe_utils); mamba_kernels: hybrid models
-    # are built from 0.19 on (ARRIVED); every other patch is needed on both ends (test_patch_is_needed, run by CI on each)
+    # te_general_gemm: 0.17 binds the name to None without Transformer Engine (moe_utils); mamba_kernels, gdn_kernels:
+    # hybrid models are built from 0.19 on (ARRIVED); every other patch is needed on both ends (test_patch_is_needed)
     assert {p.name for p in compat.needed("0.16.1")} == {p.name for p in compat.PATCHES} - set(ARRIVED)
     assert {p.name for p in compat.PATCHES} - {p.name for p in compat.needed("0.19.2")} == {"te_general_gemm"}
 

@@ -39,7 +39,8 @@ class HeadNorm(PlusOneRMSNorm):
 def draw_whole(gdn, generator: torch.Generator) -> None:
     """The layer's parameters TP splits per part drawn for the whole model as upstream draws them (the projection
     normal with the init std, the convolution Kaiming-uniform as `nn.Conv1d`'s, A uniform in [1, 16]; dt_bias is ones),
-    this rank's rows taken from each part."""
+    this rank's rows taken from each part; and the output projection whole with upstream's init method, this rank's
+    columns taken (upstream draws it after the convolution, whose per-rank draw moved the stream it came from)."""
     tp, rank = gdn.tp_size, gdn.pg_collection.tp.rank()
     qk, v, heads = gdn.qk_dim, gdn.v_dim, gdn.num_value_heads
     projection = torch.empty(2 * qk + 2 * v + 2 * heads, gdn.hidden_size).normal_(
@@ -51,7 +52,12 @@ def draw_whole(gdn, generator: torch.Generator) -> None:
     def rows(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return torch.cat([part.chunk(tp)[rank] for part in t.split(sizes)])
 
+    out = torch.empty(gdn.hidden_size, v)
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(int(torch.randint(2 ** 62, (1,), generator=generator)))
+        gdn.config.output_layer_init_method(out)
     with torch.no_grad():
+        gdn.out_proj.weight.copy_(out.chunk(tp, dim=1)[rank].to(gdn.out_proj.weight.dtype))
         gdn.in_proj.weight.copy_(rows(projection, [qk, qk, v, v, heads, heads]).to(gdn.in_proj.weight.dtype))
         gdn.conv1d.weight.copy_(rows(conv, [qk, qk, v]).to(gdn.conv1d.weight.dtype))
         gdn.A_log.copy_(rows(torch.log(a), [heads]).to(gdn.A_log.dtype))

@@ -316,3 +316,31 @@ def build(model: ModelConfig, config, device, seed: int, **stages):
                       rotary_base=int(model.rotary_base), **stages)
     set_norm_epsilon(gpt, model.norm_epsilon)
     return gpt
+
+
+def training_flops(model: ModelConfig, seq_length: int, frozen_weights: bool) -> float:
+    """`training_flops_per_token` of a hybrid model, layer by kind: an attention layer's projections (the queries' gate
+    too) and its scores over the sequence, an MLP layer's projections, an MoE layer's router, top-k experts and shared
+    expert, a gated DeltaNet's projections, convolution and chunked delta rule, and a Mamba-2 layer's projections plus
+    what is not a weight: its
+    convolution (2 x kernel FLOPs per channel of x, B, C), and its chunked scan, per token and head 2 x chunk x (state +
+    head_dim) for the within-chunk scores and their weighted sum, and 4 x head_dim x state to carry and read the state
+    between chunks (Mamba-2's state-space duality; counted like the attention scores, without the causal half)."""
+    h, pattern, gated = model.hidden_size, model.hybrid_pattern, 3 if model.gated else 2
+    q, kv = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
+    heads, p, n = model.mamba_num_heads or 0, model.mamba_head_dim, model.mamba_state_dim
+    inner, conv = heads * p, heads * p + 2 * model.mamba_num_groups * n
+    v_heads, dk, dv = model.gdn_value_heads or 0, model.gdn_key_head_dim, model.gdn_value_head_dim
+    qk, v = (model.gdn_key_heads or 0) * dk, v_heads * dv
+    queries = 2 * q if model.attention_output_gate else q  # and their gates
+    weights = {"*": h * (queries + 2 * kv) + q * h, "-": gated * h * model.ffn_hidden_size,
+               "M": h * (inner + conv + heads) + inner * h, "G": h * (2 * qk + 2 * v + 2 * v_heads) + v * h,
+               "E": h * (model.num_experts or 0) + gated * h * (model.moe_router_topk * (model.moe_ffn_hidden_size or 0)
+                                                                  + (model.moe_shared_expert_intermediate_size or 0))
+               + h * model.moe_shared_expert_gate}
+    # the gated DeltaNet's delta rule as Mamba-2's scan, in chunks of 64 positions (Megatron-Core's and fla's)
+    others = {"*": 4 * seq_length * q, "-": 0, "E": 0,
+              "M": 2 * model.mamba_conv_kernel * conv + heads * (2 * model.mamba_chunk_size * (n + p) + 4 * p * n),
+              "G": 2 * model.gdn_conv_kernel * (2 * qk + v) + v_heads * (2 * 64 * (dk + dv) + 4 * dk * dv)}
+    weight_flops = 2 * (sum(weights[k] for k in pattern) + h * model.vocab_size)
+    return (2.0 if frozen_weights else 3.0) * weight_flops + 3.0 * sum(others[k] for k in pattern)

@@ -360,7 +360,7 @@ def training_flops_per_token(model: ModelConfig, seq_length: int, frozen_weights
     or on a sliding-window layer at most the window (`attended_keys`).
     """
     if model.is_hybrid:
-        return _hybrid_training_flops(model, seq_length, frozen_weights)
+        return hybrid.training_flops(model, seq_length, frozen_weights)
     h, layers = model.hidden_size, model.num_layers
     q, kv = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
     gated = 3 if model.gated else 2
@@ -383,20 +383,3 @@ def training_flops_per_token(model: ModelConfig, seq_length: int, frozen_weights
     weights = 2 * (layers * attention + mlp_total + h * model.vocab_size)
     return (2.0 if frozen_weights else 3.0) * weights + 3.0 * layers * scores
 
-
-def _hybrid_training_flops(model: ModelConfig, seq_length: int, frozen_weights: bool) -> float:
-    """`training_flops_per_token` of a hybrid model, layer by kind: an attention layer's projections and its scores
-    over the sequence, an MLP layer's two projections, and a Mamba-2 layer's projections plus what is not a weight: its
-    convolution (2 x kernel FLOPs per channel of x, B, C), and its chunked scan, per token and head 2 x chunk x (state +
-    head_dim) for the within-chunk scores and their weighted sum, and 4 x head_dim x state to carry and read the state
-    between chunks (Mamba-2's state-space duality; counted like the attention scores, without the causal half)."""
-    h, pattern = model.hidden_size, model.hybrid_pattern
-    q, kv = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
-    heads, p, n = model.mamba_num_heads or 0, model.mamba_head_dim, model.mamba_state_dim
-    inner, conv = heads * p, heads * p + 2 * model.mamba_num_groups * n
-    weights = {"*": h * (q + 2 * kv) + q * h, "-": (3 if model.gated else 2) * h * model.ffn_hidden_size,
-               "M": h * (inner + conv + heads) + inner * h}
-    others = {"*": 4 * seq_length * q, "-": 0,
-              "M": 2 * model.mamba_conv_kernel * conv + heads * (2 * model.mamba_chunk_size * (n + p) + 4 * p * n)}
-    weight_flops = 2 * (sum(weights[k] for k in pattern) + h * model.vocab_size)
-    return (2.0 if frozen_weights else 3.0) * weight_flops + 3.0 * sum(others[k] for k in pattern)
