@@ -22,7 +22,7 @@ MOE_LAYOUTS = [(1, 1, 2), (2, 1, 2)]
 # The whole TP x PP grid (TP2 x PP2, and TP2 x EP2 at expert-TP 2: four processes) in the default tier for the 2026
 # issue's families and one dense and one MoE family; for the others in the full_matrix tier (bash ci/test.sh -m
 # full_matrix), where they run at two processes here (TP2 x EP2 at expert-TP 1).
-FULL_MATRIX = ("llama", "mixtral", "gemma3_text", "gpt_oss", "nemotron_h")
+FULL_MATRIX = ("llama", "mixtral", "gemma3_text", "gpt_oss", "nemotron_h", "qwen3_next")
 
 
 def assert_parity(r: dict) -> None:
@@ -94,6 +94,8 @@ def test_round_trip_is_bitwise_identical_and_loadable(family, converted):
     # a Mamba-2 mixer's input projection and convolution stored per part ([z, x, B, C, dt], [x, B, C]), each split by
     # TP: saved at TP2, loaded at PP2 (beside the notebooks in CI: about 20 s)
     pytest.param("nemotron_h", (2, 1, 1), (1, 2, 1), marks=pytest.mark.second_stream),
+    # a gated DeltaNet's projection stored per part ([q, k, v, z, beta, alpha]) and experts: saved at EP2, loaded at TP2
+    pytest.param("qwen3_next", (1, 1, 2), (2, 1, 1), marks=pytest.mark.second_stream),
 ], ids=str)
 def test_checkpoint_saved_at_one_layout_loads_at_another(family, saved_at, loaded_at, converted, tmp_path):
     hf, ckpt, _ = converted[family]

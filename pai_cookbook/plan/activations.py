@@ -138,7 +138,7 @@ def attention_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
         return latent_attention_bytes(model, layout, x)
     q, kv, d = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim, m.head_dim
     tokens = x.s * x.b
-    saved = tokens * (q + 2 * kv + q + kv + q) // t * x.e
+    saved = tokens * (q + 2 * kv + q + kv + q + 2 * q * m.attention_output_gate) // t * x.e  # a gate and its product
     if layout.recompute != "selective":
         saved += x.b * (m.num_attention_heads // t) * x.s * FP32  # log-sum-exp
     if m.position_embedding_type == "rope" and not x.te:
@@ -208,13 +208,24 @@ def mamba_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     return (x.s * x.b * (projected + 3 * inner) * x.e + states) // t
 
 
+def delta_net_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
+    """A gated DeltaNet: the input projection's output (q, k, v, z, beta, alpha per token), the convolution's output
+    and the normalised q and k, the delta rule's output and the state entering each chunk of 64 (fp32), the gated
+    norm's input, gate product and the output projection's input; split over TP by heads. Modelled from what the
+    layer computes, not yet checked against a measured run."""
+    m = model
+    heads, qk, v = m.gdn_value_heads, m.gdn_key_heads * m.gdn_key_head_dim, m.gdn_value_heads * m.gdn_value_head_dim
+    per_token = (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) + 2 * qk + 4 * v
+    states = x.b * -(-x.s // 64) * heads * m.gdn_key_head_dim * m.gdn_value_head_dim * FP32
+    return (x.s * x.b * per_token * x.e + states) // layout.tp
+
+
 def layer_bytes(model: ModelConfig, layout: Layout, x: Dims, layer: int) -> int:
     """Everything one layer saves for one micro-batch without full recompute."""
     if model.is_hybrid:  # one norm and one mixer
-        kind = model.hybrid_pattern[layer]
-        mixer = (mamba_bytes(model, layout, x) if kind == "M" else attention_bytes(model, layout, x) if kind == "*"
-                 else mlp_bytes(model, layout, x, model.ffn_hidden_size))
-        return norm_bytes(model, x) + mixer
+        mixers = {"M": mamba_bytes, "G": delta_net_bytes, "*": attention_bytes, "E": moe_bytes,
+                  "-": lambda m, lay, d: mlp_bytes(m, lay, d, m.ffn_hidden_size)}
+        return norm_bytes(model, x) + mixers[model.hybrid_pattern[layer]](model, layout, x)
     saved = 2 * norm_bytes(model, x) + attention_bytes(model, layout, x)
     if is_moe_layer(model, layer):
         return saved + moe_bytes(model, layout, x)

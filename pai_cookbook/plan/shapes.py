@@ -28,6 +28,9 @@ _NEMOTRON_H_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 _NEMOTRON_H_56B = ("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-"
                    "M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")
 
+# Qwen3-Next-80B-A3B: 48 layers, each gated DeltaNet ("G") or, every fourth, gated attention ("*"), then 512 experts
+_QWEN3_NEXT_80B = "GEGEGE*E" * 12
+
 SHAPES: dict[str, ModelConfig] = {
     "Llama-2-7B": ModelConfig(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
                               num_attention_heads=32, num_query_groups=32, vocab_size=32000,
@@ -87,6 +90,13 @@ SHAPES: dict[str, ModelConfig] = {
                                tie_word_embeddings=True),
     "gpt-oss-20b": ModelConfig(num_layers=24, sliding_window_layers=[1, 0] * 12, num_experts=32, **_GPT_OSS),
     "gpt-oss-120b": ModelConfig(num_layers=36, sliding_window_layers=[1, 0] * 18, num_experts=128, **_GPT_OSS),
+    "Qwen3-Next-80B-A3B": ModelConfig(
+        family="qwen3_next", hybrid_pattern=_QWEN3_NEXT_80B, num_layers=96, hidden_size=2048, ffn_hidden_size=5120,
+        num_attention_heads=16, num_query_groups=2, kv_channels=256, vocab_size=151936, max_position_embeddings=262144,
+        rotary_base=1e7, rotary_percent=0.25, norm_epsilon=1e-6, norm_plus_one=True, qk_layernorm=True,
+        attention_output_gate=True, gdn_key_heads=16, gdn_value_heads=32, gdn_key_head_dim=128, gdn_value_head_dim=128,
+        num_experts=512, moe_router_topk=10, moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=512,
+        moe_shared_expert_gate=True, moe_aux_loss_coeff=0.001),
     "Nemotron-H-8B": ModelConfig(hybrid_pattern=_NEMOTRON_H_8B, num_layers=52, hidden_size=4096, ffn_hidden_size=21504,
                                  num_attention_heads=32, mamba_num_heads=128, mamba_state_dim=128, **_NEMOTRON_H),
     "Nemotron-H-56B": ModelConfig(hybrid_pattern=_NEMOTRON_H_56B, num_layers=118, hidden_size=8192,

@@ -95,7 +95,8 @@ def attention_params(m: ModelConfig, t: int) -> list[int]:
             return out + [heads * q_head * h] + [h] * bias
         return out + [m.q_lora_rank // t * h, m.q_lora_rank, heads * q_head * m.q_lora_rank] + [h] * bias
     q, kv, d = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim, m.head_dim
-    return ([(q + 2 * kv) // t * h] + [(q + 2 * kv) // t] * (bias or m.add_qkv_bias) + [d, d] * m.qk_layernorm
+    gates = q if m.attention_output_gate else 0  # projected with the queries
+    return ([(q + gates + 2 * kv) // t * h] + [(q + 2 * kv) // t] * (bias or m.add_qkv_bias) + [d, d] * m.qk_layernorm
             + [q // t * h] + [h] * bias + [m.num_attention_heads // t] * m.attention_sinks)
 
 
@@ -108,10 +109,22 @@ def mamba_params(m: ModelConfig, t: int) -> list[int]:
     return [(inner + conv + heads) * h, conv * m.mamba_conv_kernel, conv, heads, heads, heads, inner, inner * h]
 
 
+def delta_net_params(m: ModelConfig, t: int) -> list[int]:
+    """One gated DeltaNet layer's tensors on a TP rank: the input projection (q, k, v, z, beta and alpha rows), the
+    convolution over q, k and v, the per-value-head time-step bias and A, the output norm over a head (whole on every
+    rank) and the output projection, split by heads."""
+    h, heads = m.hidden_size, m.gdn_value_heads // t
+    qk, v = m.gdn_key_heads * m.gdn_key_head_dim // t, m.gdn_value_heads * m.gdn_value_head_dim // t
+    return [(2 * qk + 2 * v + 2 * heads) * h, (2 * qk + v) * m.gdn_conv_kernel, heads, heads, m.gdn_value_head_dim,
+            v * h]
+
+
 def _hybrid_layer_params(m: ModelConfig, t: int, kind: str, norm: list[int]) -> list[int]:
-    """A hybrid model's layer (`ModelConfig.hybrid_pattern`): one norm and its mixer."""
+    """A hybrid model's layer (`ModelConfig.hybrid_pattern`) but experts: one norm and its mixer."""
     if kind == "M":
         return norm + mamba_params(m, t)
+    if kind == "G":
+        return norm + delta_net_params(m, t)
     if kind == "*":
         return norm + attention_params(m, t)
     f, gate = m.ffn_hidden_size, 2 if m.gated else 1
@@ -134,10 +147,12 @@ def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -
         if m.position_embedding_type == "learned_absolute":
             dense.append(m.max_position_embeddings * h)
     for layer in chunk_layers(model, layout, pp_rank, chunk):
-        if m.is_hybrid:
-            dense += _hybrid_layer_params(m, t, m.hybrid_pattern[layer], norm)
+        kind = m.hybrid_pattern[layer] if m.is_hybrid else None
+        if kind not in (None, "E"):
+            dense += _hybrid_layer_params(m, t, kind, norm)
             continue
-        dense += norm + attention_params(m, t) + norm + norm * 2 * m.post_norms  # Gemma's on the outputs too
+        # a transformer layer, or a hybrid's experts after their one norm; Gemma's norms on the outputs too
+        dense += norm if kind else norm + attention_params(m, t) + norm + norm * 2 * m.post_norms
         if is_moe_layer(model, layer):
             etp, fm = layout.etp or t, m.moe_ffn_hidden_size or m.ffn_hidden_size
             dense += [m.num_experts * h] + [m.num_experts] * bias  # router, whole on every rank
