@@ -165,10 +165,14 @@ def check(model: ModelConfig, layout: Layout, workload: Workload, world: int) ->
     Raises:
         ConfigError: naming the offending value and the fix.
     """
-    require(not (model.post_norms or model.norm_plus_one),
+    require(not model.post_norms,
             f"{model.family}: the plan does not model Gemma's norms yet (four a layer, each computed in fp32, "
             f"whose activations it would leave out: 25% of a tiny Gemma 3's under full recompute); plan a Llama of the "
             f"same shape for a first estimate, and measure the run (RunConfig(measure_memory=True)).")
+    require(not model.norm_plus_one or workload.path == TE_LAYERS,
+            f"{model.family}: (1 + w) norms on Megatron-Core's local layers are computed in fp32 "
+            f"(core.modeling.gemma.PlusOneRMSNorm), which the plan does not model; plan on Transformer Engine's layers "
+            f"(their zero-centered norms are the plan's one fused norm).")
     require(not model.attention_sinks or workload.path == TE_LAYERS,
             f"{model.family}: attention sinks on Megatron-Core's local layers materialise every head's scores "
             f"(core.modeling.attention.sink_attention), which the plan does not model; plan on Transformer Engine's "
