@@ -213,6 +213,9 @@ def test_megatron_model_has_the_hf_parameter_count(family, run_scenario):
     # no HybridModel before 0.19; a TP that splits a Mamba-2 group
     ("nemotron_h", (0, 19), r"nemotron_h is a hybrid model .* from 0\.19 on", "train", {"mamba_num_groups": 1},
      r"TP=2 must divide the Mamba-2 layers' 8 heads and 1 groups .* Use TP in \[1\]"),
+    # likewise; a TP that splits a gated DeltaNet's key heads
+    ("qwen3_next", (0, 19), r"qwen3_next is a hybrid model .* from 0\.19 on", "load",
+     {"gdn_key_heads": 1, "gdn_value_heads": 2}, r"TP=2 must divide the gated DeltaNet layers' 1 key heads .* \[1\]"),
 ])
 def test_families_a_release_first_builds_are_refused_before_it(family, release, refused, purpose, uneven, named):
     """Refused before launch on a Megatron-Core older than the release that builds the family, naming that release;
@@ -233,5 +236,6 @@ def test_families_a_release_first_builds_are_refused_before_it(family, release, 
 def test_lora_on_a_hybrid_model_is_refused_by_name():
     from pai_cookbook.core.configs.lora import LoRAConfig
 
-    with pytest.raises(ConfigError, match=r"LoRA on a hybrid model \(nemotron_h: Mamba-2 layers\) is not built yet"):
-        LoRAConfig().check(families.tiny("nemotron_h"))
+    for family in ("nemotron_h", "qwen3_next"):
+        with pytest.raises(ConfigError, match=rf"LoRA on a hybrid model \({family}: Mamba-2 or gated DeltaNet layers\)"):
+            LoRAConfig().check(families.tiny(family))

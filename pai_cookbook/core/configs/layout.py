@@ -89,6 +89,8 @@ def working_tps(m: ModelConfig) -> list[int]:
         sizes += [m.kv_lora_rank + m.qk_pos_emb_head_dim] + ([m.q_lora_rank] if m.q_lora_rank else [])
     if m.is_hybrid and "M" in m.hybrid_pattern:
         sizes += [m.mamba_num_heads, m.mamba_num_groups]
+    if m.is_hybrid and "G" in m.hybrid_pattern:
+        sizes += [m.gdn_key_heads, m.gdn_value_heads]
     return [t for t in divisors(m.num_attention_heads) if all(s % t == 0 for s in sizes)]
 
 
@@ -186,13 +188,18 @@ def _check_hybrid(m: ModelConfig, tp: int, vpp: int | None) -> None:
     from pai_cookbook.core.machine import versions
 
     require(versions.minor() >= (0, 19),
-             f"{m.family} is a hybrid model (Mamba-2 layers), built by Megatron-Core's HybridModel from 0.19 on; "
+             f"{m.family} is a hybrid model (Mamba-2 or gated DeltaNet layers), built by Megatron-Core's HybridModel "
+             f"from 0.19 on; "
              f"Megatron-Core {versions.megatron_core_version()} is installed. Install megatron-core{versions.MEGATRON_CORE} "
              f"at 0.19 or later.")
     if "M" in m.hybrid_pattern:
         require(m.mamba_num_groups % tp == 0 and m.mamba_num_heads % tp == 0,
                  f"TP={tp} must divide the Mamba-2 layers' {m.mamba_num_heads} heads and {m.mamba_num_groups} groups "
                  f"(each TP rank holds whole groups). Use TP in {working_tps(m)}.")
+    if "G" in m.hybrid_pattern:
+        require(m.gdn_key_heads % tp == 0, f"TP={tp} must divide the gated DeltaNet layers' {m.gdn_key_heads} key heads "
+                                           f"(each TP rank holds whole key heads and their value heads). Use TP in "
+                                           f"{working_tps(m)}.")
     require(vpp is None, f"virtual pipeline parallelism ({vpp}) for a hybrid model: its stages are set by '|' in "
                          f"Megatron-Core's layer pattern, which the cookbook does not write; set it to None.")
 

@@ -58,9 +58,10 @@ class LoRAConfig:
 
     def check(self, model) -> None:
         """Refuse adapters the model (a `ModelConfig`) has no place for, or a rank above a target's width."""
-        require(not model.is_hybrid, f"LoRA on a hybrid model ({model.family}: Mamba-2 layers) is not built yet: its "
-                                     f"attention and MLP layers would take adapters, its Mamba-2 mixers none, and "
-                                     f"neither is checked against PEFT. Fine-tune it fully (RunConfig without lora).")
+        require(not model.is_hybrid, f"LoRA on a hybrid model ({model.family}: Mamba-2 or gated DeltaNet layers) is "
+                                     f"not built yet: its attention and MLP layers would take adapters, its recurrent "
+                                     f"mixers none, and neither is checked against PEFT. Fine-tune it fully (RunConfig "
+                                     f"without lora).")
         h, f, heads = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
         # (in, out) of each target's narrowest part: a key/value projection is query_groups heads wide
         present = {"linear_proj": (heads * (model.v_head_dim if model.multi_latent_attention else model.head_dim), h)}
