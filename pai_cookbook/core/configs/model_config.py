@@ -370,6 +370,9 @@ class ModelConfig:
             if "M" in self.hybrid_pattern:
                 parts.insert(2, f"Mamba-2 {self.mamba_num_heads} heads of {self.mamba_head_dim} in "
                                 f"{self.mamba_num_groups} groups, state {self.mamba_state_dim}")
+            if "G" in self.hybrid_pattern:
+                parts.insert(2, f"gated DeltaNet {self.gdn_key_heads} key heads of {self.gdn_key_head_dim}, "
+                                f"{self.gdn_value_heads} value heads of {self.gdn_value_head_dim}")
         if self.is_moe:
             parts.append(f"MoE: {self.num_experts} experts of {self.moe_ffn_hidden_size or self.ffn_hidden_size}, "
                          f"top-{self.moe_router_topk}"
