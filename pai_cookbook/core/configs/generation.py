@@ -78,10 +78,34 @@ def kv_cache_bytes(model, batch: int, max_sequence: int, dtype_bytes: int, tp: i
     """What Megatron-Core's static engine allocates for the KV cache on one rank: for each of the rank's layers a key
     and a value buffer of [max_sequence, batch, query groups / TP, head width] (`Attention._allocate_memory`). Multi-
     latent attention caches keys and values after their up-projection, per head: keys of the head's width plus the
-    shared rotary part, values of `v_head_dim`. Per token of context per sequence it is this over batch x max_sequence."""
+    shared rotary part, values of `v_head_dim`. Per token of context per sequence it is this over batch x max_sequence.
+    A hybrid's Mamba-2 and gated DeltaNet layers hold a state per sequence instead, whatever its length
+    (`_recurrent_state_bytes`), and its MLP and expert layers nothing."""
+    if model.is_hybrid:
+        per_stage = model.num_layers // pp
+        stages = [model.hybrid_pattern[s * per_stage:(s + 1) * per_stage] for s in range(pp)]
+        attention = model.query_groups // tp * 2 * model.head_dim * max_sequence * batch * dtype_bytes
+        return max(sum(attention if kind == "*" else _recurrent_state_bytes(model, kind, batch, dtype_bytes, tp)
+                       for kind in stage) for stage in stages)
     if model.multi_latent_attention:
         groups, key, value = model.num_attention_heads, model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
     else:
         groups, key, value = model.query_groups, model.head_dim, model.head_dim
     layers = -(-model.num_layers // pp)  # the most loaded pipeline stage
     return layers * max_sequence * batch * (groups // tp) * (key + value) * dtype_bytes
+
+
+def _recurrent_state_bytes(model, kind: str, batch: int, dtype_bytes: int, tp: int) -> int:
+    """A recurrent layer's generation state per batch: a Mamba-2 layer's last convolution inputs [b, channels, kernel]
+    and its state [b, heads, head_dim, state] (Megatron-Core's, both in the model's dtype); a gated DeltaNet's last
+    convolution inputs [b, channels, kernel - 1] in the model's dtype and its state [b, value heads, key width, value
+    width] in fp32 (`core.modeling.delta_net`)."""
+    if kind == "M":
+        channels = (model.mamba_num_heads * model.mamba_head_dim + 2 * model.mamba_num_groups * model.mamba_state_dim) // tp
+        state = model.mamba_num_heads // tp * model.mamba_head_dim * model.mamba_state_dim
+        return batch * (channels * model.mamba_conv_kernel + state) * dtype_bytes
+    if kind == "G":
+        channels = (2 * model.gdn_key_heads * model.gdn_key_head_dim + model.gdn_value_heads * model.gdn_value_head_dim)
+        state = model.gdn_value_heads // tp * model.gdn_key_head_dim * model.gdn_value_head_dim
+        return batch * (channels // tp * (model.gdn_conv_kernel - 1) * dtype_bytes + state * 4)
+    return 0
