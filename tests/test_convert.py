@@ -437,24 +437,34 @@ def test_a_weight_holding_nan_or_inf_is_refused_by_name_in_both_directions(tmp_p
     assert not (tmp_path / "hf").exists()
 
 
-def test_multi_token_prediction_layers_are_refused_by_name_or_dropped_when_asked(tmp_path, converted):
-    """A DeepSeek-V3 download carries its multi-token-prediction module as one more layer (model.layers.61 after 61):
-    refused by name, or converted without it with drop_mtp=True (the source untouched, the model alone exported)."""
+H = 64
+MTP = {  # a DeepSeek-V3 download carries its module as one more layer (model.layers.61 after 61), Qwen3-Next's apart
+    "deepseek_v3": ({"model.layers.2.eh_proj.weight": torch.randn(H, 2 * H), "model.layers.2.enorm.weight": torch.ones(H),
+                     "model.layers.2.hnorm.weight": torch.ones(H), "model.layers.2.shared_head.norm.weight": torch.ones(H)},
+                    r"4 tensors of 1 multi-token-prediction layer\(s\) after the model's 2 \(model.layers.2.\*: eh_proj, "
+                    r"enorm, hnorm, shared_head\)"),
+    "qwen3_next": ({"mtp.fc.weight": torch.randn(H, 2 * H), "mtp.pre_fc_norm_embedding.weight": torch.ones(H),
+                    "mtp.layers.0.input_layernorm.weight": torch.ones(H), "mtp.norm.weight": torch.ones(H)},
+                   r"4 tensors of its multi-token-prediction module \(mtp.\*: fc, layers, norm, pre_fc_norm_embedding\)"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MTP))
+def test_multi_token_prediction_layers_are_refused_by_name_or_dropped_when_asked(family, tmp_path, converted):
+    """A release's multi-token-prediction module (which transformers does not load either) is refused by name, or the
+    model converted without it with drop_mtp=True (the source untouched, the model alone exported)."""
     from safetensors.torch import save_file
 
     hf = tmp_path / "with-mtp"
-    shutil.copytree(converted["deepseek_v3"][0], hf)
-    h = 64
-    mtp = {"model.layers.2.eh_proj.weight": torch.randn(h, 2 * h), "model.layers.2.enorm.weight": torch.ones(h),
-           "model.layers.2.hnorm.weight": torch.ones(h), "model.layers.2.shared_head.norm.weight": torch.ones(h)}
+    shutil.copytree(converted[family][0], hf)
+    mtp, message = MTP[family]
     save_file(mtp, hf / "model-mtp.safetensors", metadata={"format": "pt"})
     index = json.loads((hf / "model.safetensors.index.json").read_text())
     index["weight_map"] |= {name: "model-mtp.safetensors" for name in mtp}
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ConfigError, match=r"4 tensors of 1 multi-token-prediction layer\(s\) after the model's 2 "
-                                          r"\(model.layers.2.\*: eh_proj, enorm, hnorm, shared_head\).*drop_mtp=True"):
+    with pytest.raises(ConfigError, match=message + r".*drop_mtp=True"):
         convert.hf_to_megatron(hf, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
     convert.hf_to_megatron(hf, tmp_path / "ckpt", drop_mtp=True)
     convert.megatron_to_hf(tmp_path / "ckpt", tmp_path / "back")
-    assert convert.compare_hf_checkpoints(converted["deepseek_v3"][0], tmp_path / "back")["bitwise_identical"]
+    assert convert.compare_hf_checkpoints(converted[family][0], tmp_path / "back")["bitwise_identical"]

@@ -373,20 +373,10 @@ def to_hf(model: ModelConfig, base: dict[str, Any] | None = None) -> Any:
         kwargs["hidden_act"] = "silu"
     # the cookbook writes unquantized weights: a source's quantization_config (GPT-OSS's MXFP4) would misdescribe them
     # (and an alias's auto_map, the remote code of a config class the family's own replaces)
-    kept = {k: _json_floats(v) for k, v in (base or {}).items() if k not in ("model_type", "transformers_version",
-                                                                             "quantization_config", "auto_map")}
+    kept = {k: family_fields.json_floats(v) for k, v in (base or {}).items()
+            if k not in ("model_type", "transformers_version", "quantization_config", "auto_map")}
     kwargs = {k: v for k, v in kwargs.items() if k not in family.not_keys}
     return AutoConfig.for_model(family.name, **(kept | kwargs | family.write(model)))
-
-
-def _json_floats(value: Any) -> Any:
-    """A config.json value with transformers' spelling of the floats JSON lacks (`{"__float__": "Infinity"}`, as in
-    Nemotron-H's time_step_limit) read back as floats."""
-    if isinstance(value, dict):
-        if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
-            return float(value["__float__"].replace("Infinity", "inf"))
-        return {k: _json_floats(v) for k, v in value.items()}
-    return [_json_floats(v) for v in value] if isinstance(value, list) else value
 
 
 def tiny_hf_config(family: str, **overrides: Any) -> Any:

@@ -341,3 +341,13 @@ def qwen3_next_write(m: ModelConfig) -> dict[str, Any]:
                 "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
                 "norm_topk_prob": not m.moe_router_pre_softmax, "router_aux_loss_coef": m.moe_aux_loss_coeff}
     return out
+
+
+def json_floats(value: Any) -> Any:
+    """A config.json value with transformers' spelling of the floats JSON lacks (`{"__float__": "Infinity"}`, as in
+    Nemotron-H's time_step_limit) read back as floats."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(value["__float__"].replace("Infinity", "inf"))
+        return {k: json_floats(v) for k, v in value.items()}
+    return [json_floats(v) for v in value] if isinstance(value, list) else value

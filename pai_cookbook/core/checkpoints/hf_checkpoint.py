@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pai_cookbook.core.checkpoints import families, hf_mapping, mxfp4
+from pai_cookbook.core.checkpoints import families, hf_shapes, mxfp4
 from pai_cookbook.core.configs.model_config import ConfigError, ModelConfig
 from pai_cookbook.core.launching import inputs
 
@@ -77,10 +77,11 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def _mtp_tensors(tensors: dict[str, Any], num_layers: int) -> set[str]:
-    """Tensors of the layers after the model's last (`model.layers.<n >= num_layers>.*`): DeepSeek-V3's and GLM-4.5's
-    multi-token-prediction modules (eh_proj, enorm, hnorm, a decoder layer, shared_head)."""
-    return {k for k in tensors if k.startswith("model.layers.") and k.split(".")[2].isdigit()
-            and int(k.split(".")[2]) >= num_layers}
+    """Multi-token-prediction tensors: the layers after the model's last (`model.layers.<n >= num_layers>.*`),
+    DeepSeek-V3's and GLM-4.5's modules (eh_proj, enorm, hnorm, a decoder layer, shared_head), and Qwen3-Next's, stored
+    apart under `mtp.`."""
+    return {k for k in tensors if k.startswith("mtp.") or (k.startswith("model.layers.") and k.split(".")[2].isdigit()
+                                                           and int(k.split(".")[2]) >= num_layers)}
 
 
 def _language_model(tensors: dict[str, tuple[str, tuple[int, ...], str]], model: ModelConfig
@@ -166,7 +167,7 @@ def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp
             if key != "__metadata__":
                 tensors[key] = (name, tuple(meta["shape"]), meta["dtype"])
     tensors, stored, left_out = _language_model(tensors, model)
-    expected = hf_mapping.expected_hf_shapes(model)
+    expected = hf_shapes.expected_hf_shapes(model)
     quantized = _mxfp4_tensors(tensors, expected, folder)
     missing = sorted(set(expected) - set(tensors) - set(quantized))
     if missing:
@@ -174,10 +175,12 @@ def inspect_hf(folder: str | Path, model: ModelConfig | None = None, *, drop_mtp
                           f"{missing[:3]}; the weights do not belong to this config.")
     mtp = _mtp_tensors(tensors, model.num_layers)
     if mtp and not drop_mtp:
-        layers = sorted({int(k.split(".")[2]) for k in mtp})
-        parts = sorted({k.split(".", 3)[3].split(".")[0] for k in mtp})
-        raise ConfigError(f"{folder}: {len(mtp)} tensors of {len(layers)} multi-token-prediction layer(s) after the "
-                          f"model's {model.num_layers} (model.layers.{layers[0]}.*: {', '.join(parts)}). The cookbook "
+        layers = sorted({int(k.split(".")[2]) for k in mtp if not k.startswith("mtp.")})
+        parts = ", ".join(sorted({k.split(".", 3)[3].split(".")[0] if layers else k.split(".")[1] for k in mtp}))
+        where = (f"{len(layers)} multi-token-prediction layer(s) after the model's {model.num_layers} "
+                 f"(model.layers.{layers[0]}.*: {parts})" if layers else f"its multi-token-prediction module (mtp.*: "
+                                                                         f"{parts})")
+        raise ConfigError(f"{folder}: {len(mtp)} tensors of {where}. The cookbook "
                           f"converts the model without them or not at all (transformers does not load them either): "
                           f"pass drop_mtp=True to convert the model alone; the source keeps them.")
     mxfp4_stored = {name + suffix for name in quantized for suffix in mxfp4.SUFFIXES}
