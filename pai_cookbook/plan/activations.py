@@ -201,8 +201,8 @@ def mamba_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     projection's output (z, x, B, C, dt per token) and the state entering each chunk (fp32), then the gated norm's input
     and gate product and the output projection's input (d_inner each per token), split over TP by heads."""
     m, t = model, layout.tp
-    heads, inner = m.mamba_num_heads, m.mamba_num_heads * m.mamba_head_dim
-    projected = 2 * inner + 2 * m.mamba_num_groups * m.mamba_state_dim + heads
+    heads, inner = m.mamba_num_heads, m.mamba_inner
+    projected = inner + m.mamba_conv_channels + heads
     chunks = -(-x.s // m.mamba_chunk_size)
     states = x.b * chunks * heads * m.mamba_head_dim * m.mamba_state_dim * FP32
     return (x.s * x.b * (projected + 3 * inner) * x.e + states) // t
@@ -214,7 +214,7 @@ def delta_net_bytes(model: ModelConfig, layout: Layout, x: Dims) -> int:
     norm's input, gate product and the output projection's input; split over TP by heads. Modelled from what the
     layer computes, not yet checked against a measured run."""
     m = model
-    heads, qk, v = m.gdn_value_heads, m.gdn_key_heads * m.gdn_key_head_dim, m.gdn_value_heads * m.gdn_value_head_dim
+    heads, qk, v = m.gdn_value_heads, m.gdn_key_dim, m.gdn_value_dim
     per_token = (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) + 2 * qk + 4 * v
     states = x.b * -(-x.s // 64) * heads * m.gdn_key_head_dim * m.gdn_value_head_dim * FP32
     return (x.s * x.b * per_token * x.e + states) // layout.tp

@@ -104,8 +104,7 @@ def mamba_params(m: ModelConfig, t: int) -> list[int]:
     """One Mamba-2 layer's mixer tensors on a TP rank: the input projection (z, x, B, C and dt rows), the depthwise
     convolution and its bias over x, B and C, the per-head time-step bias, A and D, the gated norm and the output
     projection (Megatron-Core's `MambaMixer`, split by heads and groups)."""
-    h, heads, inner = m.hidden_size, m.mamba_num_heads // t, m.mamba_num_heads * m.mamba_head_dim // t
-    conv = inner + 2 * m.mamba_num_groups // t * m.mamba_state_dim
+    h, heads, inner, conv = m.hidden_size, m.mamba_num_heads // t, m.mamba_inner // t, m.mamba_conv_channels // t
     return [(inner + conv + heads) * h, conv * m.mamba_conv_kernel, conv, heads, heads, heads, inner, inner * h]
 
 
@@ -114,21 +113,19 @@ def delta_net_params(m: ModelConfig, t: int) -> list[int]:
     convolution over q, k and v, the per-value-head time-step bias and A, the output norm over a head (whole on every
     rank) and the output projection, split by heads."""
     h, heads = m.hidden_size, m.gdn_value_heads // t
-    qk, v = m.gdn_key_heads * m.gdn_key_head_dim // t, m.gdn_value_heads * m.gdn_value_head_dim // t
+    qk, v = m.gdn_key_dim // t, m.gdn_value_dim // t
     return [(2 * qk + 2 * v + 2 * heads) * h, (2 * qk + v) * m.gdn_conv_kernel, heads, heads, m.gdn_value_head_dim,
             v * h]
 
 
 def _hybrid_layer_params(m: ModelConfig, t: int, kind: str, norm: list[int]) -> list[int]:
-    """A hybrid model's layer (`ModelConfig.hybrid_pattern`) but experts: one norm and its mixer."""
+    """A hybrid model's Mamba-2, gated DeltaNet or attention layer (`ModelConfig.hybrid_pattern`): one norm and its
+    mixer (its MLP and expert layers take the transformer's MLP path after their one norm)."""
     if kind == "M":
         return norm + mamba_params(m, t)
     if kind == "G":
         return norm + delta_net_params(m, t)
-    if kind == "*":
-        return norm + attention_params(m, t)
-    f, gate = m.ffn_hidden_size, 2 if m.gated else 1
-    return norm + [gate * f // t * m.hidden_size, f // t * m.hidden_size]
+    return norm + attention_params(m, t)
 
 
 def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -> ChunkParams:
@@ -148,10 +145,10 @@ def chunk_params(model: ModelConfig, layout: Layout, pp_rank: int, chunk: int) -
             dense.append(m.max_position_embeddings * h)
     for layer in chunk_layers(model, layout, pp_rank, chunk):
         kind = m.hybrid_pattern[layer] if m.is_hybrid else None
-        if kind not in (None, "E"):
+        if kind in ("M", "G", "*"):
             dense += _hybrid_layer_params(m, t, kind, norm)
             continue
-        # a transformer layer, or a hybrid's experts after their one norm; Gemma's norms on the outputs too
+        # a transformer layer, or a hybrid's MLP or experts after their one norm; Gemma's norms on the outputs too
         dense += norm if kind else norm + attention_params(m, t) + norm + norm * 2 * m.post_norms
         if is_moe_layer(model, layer):
             etp, fm = layout.etp or t, m.moe_ffn_hidden_size or m.ffn_hidden_size

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from pai_cookbook.core.checkpoints.hf_mapping import _DENSE_NAMES, _MOE_NAMES, STACKED_EXPERTS, _delta_net_parts
+from pai_cookbook.core.checkpoints.hf_mapping import _DENSE_NAMES, _MOE_NAMES, STACKED_EXPERTS
 from pai_cookbook.core.configs.config import ModelConfig
 
 
@@ -18,7 +18,6 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
     if not model.tie_word_embeddings:
         shapes["lm_head.weight"] = (model.vocab_size, h)
-    names = _MOE_NAMES.get(model.family, _DENSE_NAMES)
     flags = model.moe_flags
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -26,28 +25,32 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         if model.post_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         shapes |= _mla_shapes(model, p) if model.multi_latent_attention else _attention_shapes(model, p)
-        is_moe = model.is_moe and flags[i]
-        if not is_moe:
-            f = model.ffn_hidden_size
-            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                       p + "mlp.down_proj.weight": (h, f)}
-            continue
-        f, moe = model.moe_ffn_hidden_size or model.ffn_hidden_size, names["moe"]
-        shapes[p + f"{moe}.{names['router']}.weight"] = (model.num_experts, h)
-        if model.family in STACKED_EXPERTS:
-            shapes |= _stacked_expert_shapes(model, p, f)
-            continue
-        for e in range(model.num_experts):
-            x = p + f"{moe}.experts.{e}."
-            shapes |= {x + f"{names['gate']}.weight": (f, h), x + f"{names['up']}.weight": (f, h),
-                       x + f"{names['down']}.weight": (h, f)}
-        if model.moe_router_enable_expert_bias:
-            shapes[p + f"{moe}.gate.e_score_correction_bias"] = (model.num_experts,)
-        if model.moe_shared_expert_intermediate_size:
-            s, x = model.moe_shared_expert_intermediate_size, p + f"mlp.{names['shared']}."
-            shapes |= {x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h), x + "down_proj.weight": (h, s)}
-            if model.moe_shared_expert_gate:
-                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        shapes |= _mlp_shapes(model, p, model.is_moe and flags[i])
+    return shapes
+
+
+def _mlp_shapes(model: ModelConfig, p: str, is_moe: bool) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP tensors under prefix `p`: a dense SwiGLU, or the router, experts and shared expert (with its gate)
+    of a mixture of experts, by the family's names."""
+    h, names = model.hidden_size, _MOE_NAMES.get(model.family, _DENSE_NAMES)
+    if not is_moe:
+        f = model.ffn_hidden_size
+        return {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+    f, moe = model.moe_ffn_hidden_size or model.ffn_hidden_size, names["moe"]
+    shapes = {p + f"{moe}.{names['router']}.weight": (model.num_experts, h)}
+    if model.family in STACKED_EXPERTS:
+        return shapes | _stacked_expert_shapes(model, p, f)
+    for e in range(model.num_experts):
+        x = p + f"{moe}.experts.{e}."
+        shapes |= {x + f"{names['gate']}.weight": (f, h), x + f"{names['up']}.weight": (f, h),
+                   x + f"{names['down']}.weight": (h, f)}
+    if model.moe_router_enable_expert_bias:
+        shapes[p + f"{moe}.gate.e_score_correction_bias"] = (model.num_experts,)
+    if model.moe_shared_expert_intermediate_size:
+        s, x = model.moe_shared_expert_intermediate_size, p + f"mlp.{names['shared']}."
+        shapes |= {x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h), x + "down_proj.weight": (h, s)}
+        if model.moe_shared_expert_gate:
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 
@@ -97,8 +100,7 @@ def _hybrid_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"backbone.embeddings.weight": (model.vocab_size, h), "backbone.norm_f.weight": (h,)}
     if not model.tie_word_embeddings:
         shapes["lm_head.weight"] = (model.vocab_size, h)
-    heads, inner = model.mamba_num_heads, (model.mamba_num_heads or 0) * model.mamba_head_dim
-    conv = inner + 2 * model.mamba_num_groups * model.mamba_state_dim
+    heads, inner, conv = model.mamba_num_heads, model.mamba_inner, model.mamba_conv_channels
     for i, kind in enumerate(model.hybrid_pattern):
         p = f"backbone.layers.{i}."
         shapes[p + "norm.weight"] = (h,)
@@ -116,35 +118,22 @@ def _hybrid_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _qwen3_next_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Qwen3-Next's tensors: per layer its gated DeltaNet or gated attention, then its experts or dense MLP."""
-    h, heads, dk, per, dv = model.hidden_size, *_delta_net_parts(model)
-    qk, v = heads * dk, heads * per * dv
+    h, value_heads, qk, v = model.hidden_size, model.gdn_value_heads, model.gdn_key_dim, model.gdn_value_dim
     shapes = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
     if not model.tie_word_embeddings:
         shapes["lm_head.weight"] = (model.vocab_size, h)
-    names = {"moe": "mlp", "router": "gate", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     for i in range(model.num_layers // 2):
         p, d = f"model.layers.{i}.", f"model.layers.{i}.linear_attn."
         mixer, mlp = model.hybrid_pattern[2 * i:2 * i + 2]
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         if mixer == "G":
-            shapes |= {d + "in_proj_qkvz.weight": (2 * qk + 2 * v, h), d + "in_proj_ba.weight": (2 * heads * per, h),
-                       d + "conv1d.weight": (2 * qk + v, 1, model.gdn_conv_kernel), d + "dt_bias": (heads * per,),
-                       d + "A_log": (heads * per,), d + "norm.weight": (dv,), d + "out_proj.weight": (h, v)}
+            shapes |= {d + "in_proj_qkvz.weight": (2 * qk + 2 * v, h), d + "in_proj_ba.weight": (2 * value_heads, h),
+                       d + "conv1d.weight": (2 * qk + v, 1, model.gdn_conv_kernel), d + "dt_bias": (value_heads,),
+                       d + "A_log": (value_heads,), d + "norm.weight": (model.gdn_value_head_dim,),
+                       d + "out_proj.weight": (h, v)}
         else:
             gated = _attention_shapes(model, p)
             gated[p + "self_attn.q_proj.weight"] = (2 * model.num_attention_heads * model.head_dim, h)
             shapes |= gated
-        if mlp == "-":
-            f = model.ffn_hidden_size
-            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                       p + "mlp.down_proj.weight": (h, f)}
-            continue
-        f, s = model.moe_ffn_hidden_size, model.moe_shared_expert_intermediate_size
-        shapes |= {p + "mlp.gate.weight": (model.num_experts, h), p + "mlp.shared_expert_gate.weight": (1, h)}
-        for e in range(model.num_experts):
-            x = p + f"mlp.experts.{e}."
-            shapes |= {x + f"{names['gate']}.weight": (f, h), x + f"{names['up']}.weight": (f, h),
-                       x + f"{names['down']}.weight": (h, f)}
-        x = p + "mlp.shared_expert."
-        shapes |= {x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h), x + "down_proj.weight": (h, s)}
+        shapes |= _mlp_shapes(model, p, mlp == "E")
     return shapes

@@ -101,11 +101,11 @@ def _recurrent_state_bytes(model, kind: str, batch: int, dtype_bytes: int, tp: i
     convolution inputs [b, channels, kernel - 1] in the model's dtype and its state [b, value heads, key width, value
     width] in fp32 (`core.modeling.delta_net`)."""
     if kind == "M":
-        channels = (model.mamba_num_heads * model.mamba_head_dim + 2 * model.mamba_num_groups * model.mamba_state_dim) // tp
+        channels = model.mamba_conv_channels // tp
         state = model.mamba_num_heads // tp * model.mamba_head_dim * model.mamba_state_dim
         return batch * (channels * model.mamba_conv_kernel + state) * dtype_bytes
     if kind == "G":
-        channels = (2 * model.gdn_key_heads * model.gdn_key_head_dim + model.gdn_value_heads * model.gdn_value_head_dim)
+        channels = 2 * model.gdn_key_dim + model.gdn_value_dim
         state = model.gdn_value_heads // tp * model.gdn_key_head_dim * model.gdn_value_head_dim
         return batch * (channels // tp * (model.gdn_conv_kernel - 1) * dtype_bytes + state * 4)
     return 0

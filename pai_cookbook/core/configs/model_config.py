@@ -323,6 +323,13 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         return self.hybrid_pattern is not None
 
+    # The recurrent layers' widths: a Mamba-2 layer's inside (x, z) and convolved channels (x, then every group's B and
+    # C); a gated DeltaNet's query (and key) and value (and gate) widths.
+    mamba_inner = property(lambda self: (self.mamba_num_heads or 0) * self.mamba_head_dim)
+    mamba_conv_channels = property(lambda self: self.mamba_inner + 2 * self.mamba_num_groups * self.mamba_state_dim)
+    gdn_key_dim = property(lambda self: (self.gdn_key_heads or 0) * self.gdn_key_head_dim)
+    gdn_value_dim = property(lambda self: (self.gdn_value_heads or 0) * self.gdn_value_head_dim)
+
     @property
     def gated(self) -> bool:
         """Whether the MLP is gated (a gate and an up projection: SwiGLU, GeGLU)."""

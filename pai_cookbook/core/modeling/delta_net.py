@@ -36,6 +36,12 @@ class HeadNorm(PlusOneRMSNorm):
         return self.weight * normed.to(x.dtype)
 
 
+def rank_parts(whole: torch.Tensor, sizes: list[int], tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's rows of a tensor stacked from parts of `sizes` rows, each part split over TP on its own (a fused
+    projection or convolution of several parts, as Megatron-Core lays one out per rank)."""
+    return torch.cat([part.chunk(tp)[rank] for part in whole.split(sizes)])
+
+
 def draw_whole(gdn, generator: torch.Generator) -> None:
     """The layer's parameters TP splits per part drawn for the whole model as upstream draws them (the projection
     normal with the init std, the convolution Kaiming-uniform as `nn.Conv1d`'s, A uniform in [1, 16]; dt_bias is ones),
@@ -50,7 +56,7 @@ def draw_whole(gdn, generator: torch.Generator) -> None:
     a = torch.empty(heads).uniform_(*gdn.A_init_range, generator=generator)
 
     def rows(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        return torch.cat([part.chunk(tp)[rank] for part in t.split(sizes)])
+        return rank_parts(t, sizes, tp, rank)
 
     out = torch.empty(gdn.hidden_size, v)
     with torch.random.fork_rng(devices=[]):

@@ -23,8 +23,7 @@ import torch
 
 from pai_cookbook.core.configs.config import ModelConfig
 from pai_cookbook.core.modeling import delta_net
-
-_SEED_STRIDE = 100_003  # as core.modeling.layer_spec.LAYER_SEED_STRIDE: distinct (seed, layer) -> distinct streams
+from pai_cookbook.core.modeling.layer_spec import LAYER_SEED_STRIDE
 
 
 def _seeded(base, seed: int):
@@ -36,7 +35,7 @@ def _seeded(base, seed: int):
 
     class Seeded(base):
         def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs):
-            stream = seed * _SEED_STRIDE + layer_number
+            stream = seed * LAYER_SEED_STRIDE + layer_number
             torch.random.default_generator.manual_seed(stream)
             with _model_parallel_stream_or_none():
                 super().__init__(config, submodules, layer_number, *args, **kwargs)
@@ -89,7 +88,7 @@ def _draw_mixer_whole(mixer, generator: torch.Generator) -> None:
     a = torch.empty(heads).uniform_(1, 16, generator=generator)
 
     def rows(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        return torch.cat([part.chunk(tp)[rank] for part in t.split(sizes)])
+        return delta_net.rank_parts(t, sizes, tp, rank)
 
     with torch.no_grad():
         for param, whole in ((mixer.in_proj.weight, rows(projection, [inner, inner, bc, bc, heads])),
@@ -322,16 +321,16 @@ def training_flops(model: ModelConfig, seq_length: int, frozen_weights: bool) ->
     """`training_flops_per_token` of a hybrid model, layer by kind: an attention layer's projections (the queries' gate
     too) and its scores over the sequence, an MLP layer's projections, an MoE layer's router, top-k experts and shared
     expert, a gated DeltaNet's projections, convolution and chunked delta rule, and a Mamba-2 layer's projections plus
-    what is not a weight: its
-    convolution (2 x kernel FLOPs per channel of x, B, C), and its chunked scan, per token and head 2 x chunk x (state +
-    head_dim) for the within-chunk scores and their weighted sum, and 4 x head_dim x state to carry and read the state
-    between chunks (Mamba-2's state-space duality; counted like the attention scores, without the causal half)."""
+    what is not a weight: its convolution (2 x kernel FLOPs per channel of x, B, C), and its chunked scan, per token
+    and head 2 x chunk x (state + head_dim) for the within-chunk scores and their weighted sum, and 4 x head_dim x
+    state to carry and read the state between chunks (Mamba-2's state-space duality; counted like the attention
+    scores, without the causal half)."""
     h, pattern, gated = model.hidden_size, model.hybrid_pattern, 3 if model.gated else 2
     q, kv = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
     heads, p, n = model.mamba_num_heads or 0, model.mamba_head_dim, model.mamba_state_dim
-    inner, conv = heads * p, heads * p + 2 * model.mamba_num_groups * n
+    inner, conv = model.mamba_inner, model.mamba_conv_channels
     v_heads, dk, dv = model.gdn_value_heads or 0, model.gdn_key_head_dim, model.gdn_value_head_dim
-    qk, v = (model.gdn_key_heads or 0) * dk, v_heads * dv
+    qk, v = model.gdn_key_dim, model.gdn_value_dim
     queries = 2 * q if model.attention_output_gate else q  # and their gates
     weights = {"*": h * (queries + 2 * kv) + q * h, "-": gated * h * model.ffn_hidden_size,
                "M": h * (inner + conv + heads) + inner * h, "G": h * (2 * qk + 2 * v + 2 * v_heads) + v * h,
