@@ -125,17 +125,7 @@ QWEN3_NEXT_RULES: tuple[Rule, ...] = RULES[:2] + (
          "qkv_gated"),
     Rule(_L + r"self_attention\.linear_proj\.weight", (_H + "self_attn.o_proj.weight",), "copy"),
     Rule(_L + r"self_attention\.(?P<t>[qk])_layernorm\.weight", (_H + "self_attn.{t}_norm.weight",), "copy"),
-    Rule(_L + r"mlp\.linear_fc1\.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
-    Rule(_L + r"mlp\.linear_fc2\.weight", (_H + "mlp.down_proj.weight",), "copy"),
-    Rule(_L + r"mlp\.router\.weight", (_H + "mlp.gate.weight",), "copy"),
-    Rule(_L + _EXPERT + r"linear_fc1\.weight", (_H + "mlp.experts.{e}.gate_proj.weight",
-                                                _H + "mlp.experts.{e}.up_proj.weight"), "gate_up"),
-    Rule(_L + _EXPERT + r"linear_fc2\.weight", (_H + "mlp.experts.{e}.down_proj.weight",), "copy"),
-    Rule(_L + r"mlp\.shared_experts\.linear_fc1\.weight",
-         (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), "gate_up"),
-    Rule(_L + r"mlp\.shared_experts\.linear_fc2\.weight", (_H + "mlp.shared_expert.down_proj.weight",), "copy"),
-    Rule(_L + r"mlp\.shared_experts\.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "copy"),
-)
+) + tuple(rule for rule in RULES if rule.megatron.startswith(_L + r"mlp\."))  # its MLPs and experts: as Qwen2-MoE's
 
 # How each family names its MoE block and expert projections on disk (the hub format, which is also
 # what transformers 5 writes with save_pretrained).
