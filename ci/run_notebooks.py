@@ -40,6 +40,8 @@ TINY: dict[str, dict] = {
                              "JUDGED": [], "HELD_OUT": 32, "SFT_STEPS": 10, "SFT_LR": 3e-3,
                              "DPO_LR": 1e-4, "COMPARE_RATES": True,
                              "PAIRS_PER_STEP": 16},
+    "13_deploy": {"REAL_MODEL": False, "CALIBRATION_SAMPLES": 16, "CALIBRATION_LENGTH": 256, "TEXTS": 12,
+                  "CLOZE_ITEMS": 24, "MMLU_PER_SUBJECT": 1, "MAX_TOKENS": 32},
 }
 
 

@@ -63,6 +63,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # streams' second halves need it.
 ( bash ci/setup_env.sh 0.16 > "$work/setup016.log" 2>&1; echo $? > "$work/setup016.status" ) &
 setup016=$!
+# The serving environment (vLLM, llm-compressor) for notebook 13 and the tests marked `serving`, set up beside the
+# 0.16 one; the tests that need it wait for its status file (tests/conftest.py's serving_env) and fail if it failed.
+export PAI_COOKBOOK_SERVE_SETUP="$work/setupserve.status"
+( bash ci/setup_env.sh serve > "$work/setupserve.log" 2>&1; echo $? > "$work/setupserve.status.tmp"
+  mv "$work/setupserve.status.tmp" "$work/setupserve.status" ) &
 (
   "${PYTEST[@]}" -m "(notebook or real_model or second_stream) and not real_notebook" --basetemp "$work/notebooks"
   echo $? > "$work/notebooks.status"
@@ -87,6 +92,7 @@ if [ "$setup016_status" -eq 0 ]; then
   second_status=$?
 fi
 wait "$notebooks"
+cat "$work/setupserve.log" 2>/dev/null
 notebooks_status=$(cat "$work/notebooks.status" 2>/dev/null || echo 1)
 releases_status=$(cat "$work/releases.status" 2>/dev/null || echo 1)
 echo "================ notebooks, the real model, then the release-crossing tests (the second stream) ================"

@@ -30,12 +30,23 @@ from pai_cookbook.core.launching.jobs import EvalJob, GenerationJob
 from pai_cookbook.core.text import tokenizer as tokenizers
 
 __all__ = ["encode", "encode_pair", "generate_until", "loglikelihood", "loglikelihood_tokens", "max_length", "perplexity",
-           "rolling_windows", "text_windows", "tokenizer"]
+           "rolling_windows", "served", "text_windows", "tokenizer"]
+
+
+def served(ckpt: Any) -> bool:
+    """Whether `ckpt` is a running `serve.Server`: every function here then scores on the server (what it runs:
+    quantized weights through vLLM's kernels) instead of launching Megatron-Core."""
+    from pai_cookbook.serve import Server
+
+    return isinstance(ckpt, Server)
 
 
 def tokenizer(ckpt: str | Path):
     """The tokenizer a checkpoint carries (`hf_assets/`), refused by name where it has none."""
     from pai_cookbook.generate import resolve_checkpoint
+
+    if served(ckpt):
+        return ckpt.tokenizer
 
     folder = resolve_checkpoint(ckpt) / checkpoint.HF_ASSETS
     if not any((folder / name).exists() for name in tokenizers.VOCABULARY_FILES):
@@ -48,7 +59,9 @@ def tokenizer(ckpt: str | Path):
 def max_length(ckpt: str | Path) -> int:
     """Positions the model attends over: what a scored sequence (context + continuation, less its last token) may
     hold. A sliding window does not shorten it: each layer applies its window inside attention, as transformers
-    does."""
+    does. A server's is one less than its `max_model_len`: it is fed the scored sequence whole."""
+    if served(ckpt):
+        return ckpt.max_model_len - 1
     model, _ = checkpoint.read_config(checkpoint.resolve(ckpt))
     return model.max_position_embeddings
 
@@ -105,6 +118,9 @@ def loglikelihood_tokens(ckpt: str | Path, pairs: Sequence[tuple[Sequence[int], 
     from pai_cookbook.core.launching import launch
     from pai_cookbook.generate import resolve_checkpoint
 
+    if served(ckpt):
+        return ckpt.loglikelihood_tokens(inputs.listed(pairs, "pairs", "(context ids, continuation ids)"),
+                                         truncate=truncate)
     ckpt = resolve_checkpoint(ckpt)
     model, _ = checkpoint.read_config(ckpt)
     parallel = parallel or ParallelConfig()
@@ -143,7 +159,7 @@ def loglikelihood_tokens(ckpt: str | Path, pairs: Sequence[tuple[Sequence[int], 
 def loglikelihood(ckpt: str | Path, requests: Sequence[tuple[str, str]], **options: Any) -> dict[str, Any]:
     """`loglikelihood_tokens` of (context, continuation) texts, tokenized by `encode_pair` with the checkpoint's
     tokenizer; `options` are `loglikelihood_tokens`'s."""
-    ckpt = checkpoint.resolve(ckpt)  # once: tokenizer() and loglikelihood_tokens() check what it names
+    ckpt = ckpt if served(ckpt) else checkpoint.resolve(ckpt)  # once: tokenizer() and loglikelihood_tokens() check it
     hf = tokenizer(ckpt)
     pairs = [encode_pair(hf, *_text_pair(r, i)) for i, r in enumerate(inputs.listed(requests, "requests",
                                                                                     "(context, continuation) texts"))]
@@ -198,7 +214,7 @@ def perplexity(ckpt: str | Path, texts: Sequence[str], **options: Any) -> dict[s
         those three, "logprob" (the sum), "tokens", "bytes", "words", "per_text" logprobs, "windows" (the sequences
         scored), and the launch's figures.
     """
-    ckpt = checkpoint.resolve(ckpt)  # once: tokenizer() and loglikelihood_tokens() check what it names
+    ckpt = ckpt if served(ckpt) else checkpoint.resolve(ckpt)  # once: tokenizer() and loglikelihood_tokens() check it
     texts = [_string(t, f"text {i}") for i, t in enumerate(inputs.listed(texts, "texts", "strings"))]
     windows, owner = text_windows(tokenizer(ckpt), texts, max_length(ckpt))
     empty = sorted(set(range(len(texts))) - set(owner))

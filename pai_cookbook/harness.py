@@ -172,6 +172,47 @@ class MegatronLM(TemplateLM):
         return answers
 
 
+class ServedLM(MegatronLM):
+    """A model behind a running `serve.Server` as a harness model: the same requests as `MegatronLM`'s, tokenized the
+    same way, answered by the server (log-likelihoods from vLLM's prompt log-probabilities, greedy answers from its
+    completions), so a quantized model is scored on what it serves."""
+
+    def __init__(self, server: Any, *, show_progress: bool = False):
+        TemplateLM.__init__(self)
+        if not evaluate.served(server):
+            raise ConfigError(f"ServedLM takes a running serve.Server; found {type(server).__name__}.")
+        self.server, self.ckpt = server, server.model
+        self.tokenizer, self.max_length = server.tokenizer, evaluate.max_length(server)
+        self.show_progress = show_progress
+        self.launches: list[dict[str, Any]] = []
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.server.model)
+
+    def _scores(self, pairs: list[tuple[list[int], list[int]]], kind: str, disable_tqdm: bool) -> list[dict]:
+        out = self.server.loglikelihood_tokens(pairs, truncate=True)
+        self.launches.append({"kind": kind, "requests": len(pairs), **out["seconds"],
+                              "sequences_per_s": out["sequences_per_s"], "truncated": out["truncated"]})
+        return out["results"]
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """Greedy answers from the server, cut before their stop strings (the end-of-text token ends them)."""
+        answers = []
+        for req in requests:
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            room = int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+            ids = evaluate.encode(self.tokenizer, context)[-(self.max_length - room):]
+            text = self.tokenizer.decode(self.server.greedy_ids([ids], room)[0], skip_special_tokens=True)
+            for stop in until:
+                text = text.split(stop)[0] if stop else text
+            answers.append(text)
+        return answers
+
+
 KINDS = ("multiple_choice", "cloze", "perplexity")
 MMLU_PROMPT = "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:"
 """The harness's own `mmlu` prompt: the question, the lettered choices, then "Answer:" (the choices scored are the

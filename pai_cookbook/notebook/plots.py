@@ -378,3 +378,22 @@ def evaluation_bars(rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, str
         ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.suptitle(title, fontsize=10)
     return _finish(fig, path, tight=False)
+
+
+def serving_speed(rows: Sequence[Mapping[str, Any]], path: str | Path | None = None, title: str = "Serving speed"):
+    """Two panels against requests in flight, one line per model: generated tokens/s, and the mean time to first token."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
+    colors = ["tab:gray", "tab:blue", "tab:orange", "tab:green"]  # evaluation_bars' order
+    for i, name in enumerate(dict.fromkeys(str(r["model"]) for r in rows)):
+        mine = [r for r in rows if str(r["model"]) == name]
+        for ax, key in zip(axes, ("tokens/s", "time to first token (s)")):
+            ax.plot([r["requests at once"] for r in mine], [r[key] for r in mine], "o-", label=name, color=colors[i % 4])
+    ticks = sorted({r["requests at once"] for r in rows})
+    for ax, label in zip(axes, ("generated tokens/s", "time to first token (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set(xticks=ticks, xticklabels=[str(c) for c in ticks], xlabel="requests at once", ylabel=label, ylim=(0, None))
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _finish(fig, path, tight=False)
