@@ -118,13 +118,12 @@ def loglikelihood_tokens(ckpt: str | Path, pairs: Sequence[tuple[Sequence[int], 
     from pai_cookbook.core.launching import launch
     from pai_cookbook.generate import resolve_checkpoint
 
-    if served(ckpt):
-        return ckpt.loglikelihood_tokens(inputs.listed(pairs, "pairs", "(context ids, continuation ids)"),
-                                         truncate=truncate)
-    ckpt = resolve_checkpoint(ckpt)
-    model, _ = checkpoint.read_config(ckpt)
-    parallel = parallel or ParallelConfig()
-    layout.check(model, parallel, purpose="load")  # a plain forward: sequence parallelism too
+    on_server = served(ckpt)  # the same checks, then the server scores what a launch would
+    if not on_server:
+        ckpt = resolve_checkpoint(ckpt)
+        model, _ = checkpoint.read_config(ckpt)
+        parallel = parallel or ParallelConfig()
+        layout.check(model, parallel, purpose="load")  # a plain forward: sequence parallelism too
     limit = max_length(ckpt)
     sequences, scored, cut = [], [], 0
     for i, (context, continuation) in enumerate(inputs.listed(pairs, "pairs", "(context ids, continuation ids)")):
@@ -148,6 +147,8 @@ def loglikelihood_tokens(ckpt: str | Path, pairs: Sequence[tuple[Sequence[int], 
         scored.append(len(continuation))
     if not sequences:
         raise ConfigError("no pairs given; pass at least one (context ids, continuation ids).")
+    if on_server:
+        return ckpt.score_sequences(sequences, scored) | {"truncated": cut}
     job = EvalJob(ckpt=str(Path(ckpt).resolve()), sequences=sequences, scored=scored, parallel=parallel,
                   precision=precision or PrecisionConfig(), batch=inputs.integer(batch, "batch"))
     result = launch.launch(job, nproc_per_node=job.processes(), run_dir=run_dir, echo=False,

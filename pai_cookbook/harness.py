@@ -191,7 +191,7 @@ class ServedLM(MegatronLM):
         return str(self.server.model)
 
     def _scores(self, pairs: list[tuple[list[int], list[int]]], kind: str, disable_tqdm: bool) -> list[dict]:
-        out = self.server.loglikelihood_tokens(pairs, truncate=True)
+        out = evaluate.loglikelihood_tokens(self.server, pairs, truncate=True)
         self.launches.append({"kind": kind, "requests": len(pairs), **out["seconds"],
                               "sequences_per_s": out["sequences_per_s"], "truncated": out["truncated"]})
         return out["results"]

@@ -130,8 +130,7 @@ class Server:
         self.name, self.dtype, self.host = name, dtype, host
         if dtype not in ("bfloat16", "float16", "float32", "auto"):
             raise ConfigError(f"dtype={dtype!r}: the server runs bfloat16, float16, float32 or auto.")
-        scheme = _quantization(self.model)
-        if scheme and scheme.get("weights_bits") == 4 and dtype == "float32" and not _has_gpu():
+        if _weight_bits(self.model) == 4 and dtype == "float32" and not _has_gpu():
             raise ConfigError(f"{self.model} holds 4-bit weights, and vLLM's CPU kernel for them runs in bfloat16 or "
                               f"float16 only; serve it with dtype='bfloat16'.")
         if port is not None:
@@ -254,50 +253,39 @@ class Server:
             raise ServerError(f"the server at {self.url} did not answer ({e}); log {self.log}\n"
                               f"{self.log_tail(10)}") from None
 
-    def _map(self, fn, items: list, workers: int) -> list:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            return list(pool.map(fn, items))
-
     def greedy_ids(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, concurrency: int = 8) -> list[list[int]]:
         """Greedy continuations of prompt ids (no chat template), to the end-of-text token or `max_tokens`."""
         def one(ids):
             body = {"model": self.name, "prompt": [int(i) for i in ids], "max_tokens": max_tokens, "temperature": 0.0,
                     "return_token_ids": True}
             return self._post(body)["choices"][0]["token_ids"]
-        return self._map(one, [list(p) for p in prompts], concurrency)
+        return _concurrently(one, [list(p) for p in prompts], concurrency)
 
-    def loglikelihood_tokens(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, truncate: bool = False,
-                             concurrency: int = 8, **unused: Any) -> dict[str, Any]:
-        """`evaluate.loglikelihood_tokens` on the server: each continuation's log-probability after its context from
-        vLLM's prompt log-probabilities, and whether every token of it ranks first (greedy)."""
-        limit, cut, sequences = self.max_model_len, 0, []
-        for i, (context, continuation) in enumerate(pairs):
-            whole = list(context) + list(continuation)
-            if not continuation or not context:
-                raise ConfigError(f"pair {i}: needs a context and a continuation of at least one token each.")
-            if len(continuation) >= limit:
-                raise ConfigError(f"pair {i}: a continuation of {len(continuation)} tokens does not fit the server's "
-                                  f"{limit} positions with its context; shorten it.")
-            if len(whole) > limit:
-                if not truncate:
-                    raise ConfigError(f"pair {i}: {len(whole)} tokens, beyond the server's {limit} positions; shorten "
-                                      f"it or pass truncate=True.")
-                whole, cut = whole[-limit:], cut + 1
-            sequences.append((whole, len(continuation)))
-
+    def score_sequences(self, sequences: Sequence[Sequence[int]], scored: Sequence[int], *,
+                        concurrency: int = 8) -> dict[str, Any]:
+        """The log-probability of each sequence's last `scored` tokens from vLLM's prompt log-probabilities, and
+        whether every one of them ranks first (greedy): what `evaluate.loglikelihood_tokens` gets from a server,
+        after its checks (a sequence holds at most `max_model_len` tokens)."""
         def one(item):
-            whole, scored = item
-            body = {"model": self.name, "prompt": whole, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1}
-            positions = self._post(body)["choices"][0]["prompt_logprobs"][-scored:]
-            picked = [p[str(t)] for p, t in zip(positions, whole[-scored:])]
+            whole, n = item
+            body = {"model": self.name, "prompt": [int(t) for t in whole], "max_tokens": 1, "temperature": 0.0,
+                    "prompt_logprobs": 1}
+            positions = self._post(body)["choices"][0]["prompt_logprobs"][-n:]
+            picked = [p[str(t)] for p, t in zip(positions, whole[-n:])]
             logprobs = [x["logprob"] for x in picked]
             return {"logprob": sum(logprobs), "greedy": all(x["rank"] == 1 for x in picked), "token_logprobs": logprobs}
         started = time.monotonic()
-        results = self._map(one, sequences, concurrency)
+        results = _concurrently(one, list(zip(sequences, scored)), concurrency)
         seconds = time.monotonic() - started
         return {"results": results, "seconds": {"load": self.startup_s or 0.0, "score": seconds},
-                "sequences_per_s": len(results) / max(seconds, 1e-9), "positions": limit, "fed": len(results),
-                "layers": None, "truncated": cut}
+                "sequences_per_s": len(results) / max(seconds, 1e-9), "positions": self.max_model_len,
+                "fed": len(results), "layers": None}
+
+
+def _concurrently(fn, items: list, workers: int) -> list:
+    """`fn` of each item, `workers` requests in flight at once, in the items' order."""
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(fn, items))
 
 
 def _positions(model: Path) -> int:
@@ -306,13 +294,11 @@ def _positions(model: Path) -> int:
     return int(config.get("max_position_embeddings") or 2048)
 
 
-def _quantization(model: Path) -> dict[str, Any] | None:
-    """The weights' bits of a compressed-tensors folder (None where it is not quantized)."""
-    config = json.loads((model / "config.json").read_text()).get("quantization_config")
-    if not config:
-        return None
-    bits = {g.get("weights", {}).get("num_bits") for g in config.get("config_groups", {}).values()}
-    return {"weights_bits": min(b for b in bits if b) if any(bits) else None}
+def _weight_bits(model: Path) -> int | None:
+    """The fewest bits any weights of a compressed-tensors folder hold (None where it is not quantized)."""
+    config = json.loads((model / "config.json").read_text()).get("quantization_config") or {}
+    bits = [g.get("weights", {}).get("num_bits") for g in config.get("config_groups", {}).values()]
+    return min((b for b in bits if b), default=None)
 
 
 def _has_gpu() -> bool:
@@ -349,7 +335,7 @@ def throughput(server: Server, prompts: Sequence[str], *, concurrency: Sequence[
         for wave in range(rounds):
             asked = [prompts[(wave * c + i) % len(prompts)] for i in range(c)]
             started = time.monotonic()
-            out += server._map(one, asked, c)
+            out += _concurrently(one, asked, c)
             seconds += time.monotonic() - started
         tokens = sum(t for _, t in out)
         rows.append({"concurrency": c, "requests": len(out), "tokens": tokens, "seconds": seconds,
